@@ -1,0 +1,5 @@
+"""`python -m indexer` runs the command line."""
+
+from indexer.cli import main
+
+main()

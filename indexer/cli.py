@@ -1,0 +1,186 @@
+"""The `indexer` command line: serve, feed, dump.
+
+Every error ends the command with a non-zero exit and one line on stderr saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+import trio
+
+from indexer.config import Config, ConfigError, load_config
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"indexer: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _config(config_file: Path | None, **overrides: Any) -> Config:
+    try:
+        config = load_config(config_file)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+    server = {k: v for k, v in overrides.items() if v is not None}
+    if server:
+        config = dataclasses.replace(config, server=dataclasses.replace(config.server, **server))
+    return config
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="indexer")
+def main() -> None:
+    """A secondary-index daemon fed by routers over TCP, persisting to LevelDB."""
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML file.")
+@click.option("--data-dir", type=click.Path(path_type=Path), help="Overrides server.data_dir.")
+@click.option("--feed-port", type=click.IntRange(0, 65535), help="Overrides server.feed_port.")
+@click.option("--http-port", type=click.IntRange(0, 65535), help="Overrides server.http_port.")
+def serve(
+    config_file: Path | None, data_dir: Path | None, feed_port: int | None, http_port: int | None
+) -> None:
+    """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0)."""
+    from indexer.daemon import serve as run_daemon
+    from indexer.storage import StoreError
+
+    config = _config(config_file, data_dir=data_dir, feed_port=feed_port, http_port=http_port)
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("indexer.daemon").info(
+        "configuration: %s", config_file if config_file else "embedded default"
+    )
+    try:
+        trio.run(run_daemon, config)
+    except StoreError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot listen on {config.server.host}:{config.server.feed_port}: {exc.strerror}")
+    except KeyboardInterrupt:
+        fail("interrupted during start-up", 130)
+
+
+def _address(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+@main.command()
+@click.option("--to", "address", required=True, help="The indexer's feed address, HOST:PORT.")
+@click.option("--jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.')
+@click.option("--generate", type=click.IntRange(1), help="Generate this many mutations.")
+@click.option("--keys", type=click.IntRange(1), help="Key space of --generate (default N/5).")
+@click.option("--delete-ratio", type=click.FloatRange(0, 1), default=0.1, show_default=True)
+@click.option("--seed", type=int, default=42, show_default=True)
+@click.option("--wait", type=click.Choice(["persisted", "none"]), default="persisted",
+              show_default=True, help="Exit once everything sent is persisted, or at once.")
+@click.option("--vbuckets", type=click.IntRange(1, 65536), default=1024, show_default=True)
+def feed(
+    address: str,
+    jsonl: Path | None,
+    generate: int | None,
+    keys: int | None,
+    delete_ratio: float,
+    seed: int,
+    wait: str,
+    vbuckets: int,
+) -> None:
+    """Push documents to an indexer through a router feed."""
+    from indexer.router import FeedError, Workload, read_jsonl
+    from indexer.router import feed as run_feed
+    from indexer.router import generate as generate_documents
+    from indexer.router.documents import Document, DocumentError
+
+    try:
+        host, port = _address(address)
+    except click.BadParameter as exc:
+        fail(f"--to: {exc.message}", 2)
+    if (jsonl is None) == (generate is None):
+        fail("give exactly one of --jsonl FILE and --generate N", 2)
+    documents: Iterator[Document]
+    if jsonl is not None:
+        documents = read_jsonl(jsonl)
+        total = None
+    else:
+        assert generate is not None
+        documents = generate_documents(Workload(generate, keys or 0, delete_ratio, seed))
+        total = generate
+    bar: Any = (
+        click.progressbar(length=total, label="feeding", file=sys.stderr)
+        if sys.stderr.isatty()
+        else _NoBar()
+    )
+    with bar:
+
+        async def run() -> Any:
+            return await run_feed(
+                host,
+                port,
+                documents,
+                wait_persisted=wait == "persisted",
+                progress=bar.update,
+                num_vbuckets=vbuckets,
+            )
+
+        try:
+            result = trio.run(run)
+        except (FeedError, DocumentError) as exc:
+            fail(str(exc))
+        except OSError as exc:
+            fail(str(exc))
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+    state = "persisted" if result.persisted else "sent"
+    click.echo(
+        f"{result.sent} mutations {state} over {result.vbuckets} vbuckets"
+        f" ({result.skipped} already persisted, skipped)",
+        err=True,
+    )
+
+
+class _NoBar:
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int) -> None:
+        return None
+
+
+@main.command()
+@click.argument("name")
+@click.option("--data-dir", type=click.Path(path_type=Path), help="Default: server.data_dir.")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML file.")
+def dump(name: str, data_dir: Path | None, config_file: Path | None) -> None:
+    """Print index NAME as JSONL in index order, from a store no daemon holds."""
+    from indexer.dump import dump_lines
+    from indexer.keys import KeyEncodingError
+    from indexer.storage import StoreError, StoreLockedError
+
+    config = _config(config_file, data_dir=data_dir)
+    try:
+        out = sys.stdout
+        for line in dump_lines(config.server.data_dir, name):
+            out.write(line + "\n")
+    except StoreLockedError as exc:
+        fail(f"cannot dump while a daemon runs: {exc}")
+    except (StoreError, KeyEncodingError) as exc:
+        fail(str(exc))
+    except BrokenPipeError:
+        sys.stderr.close()

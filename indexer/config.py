@@ -1,0 +1,263 @@
+"""Configuration: the embedded default merged with an optional TOML file, validated once.
+
+Every stage receives only its typed part. An unknown key or a bad value raises `ConfigError`
+with a message naming the key, which the CLI prints as one line before exiting non-zero.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from config import default_config_text
+from indexer.protocol import IndexDefinition
+from slab import parse_size
+
+INDEX_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+FIELD_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+MAX_INDEXES = 64
+MAX_KEYS = 16
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or has a bad value."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    data_dir: Path
+    host: str
+    feed_port: int
+    http_port: int
+    max_frame_bytes: int
+    num_vbuckets: int
+    owned_vbuckets: tuple[int, ...]
+    log_level: str
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    workers: int
+    channel_batches: int
+    ring_slots: int
+    back_index_cache: int
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    in_memory_interval_s: float
+    persist_interval_s: float
+
+
+@dataclass(frozen=True)
+class SlabConfig:
+    pool_bytes: int
+    slab_bytes: int
+    min_chunk: int
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    quota_bytes: int
+    high_mark: float
+    low_mark: float
+    min_available_bytes: int
+    sample_interval_s: float
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig
+    pipeline: PipelineConfig
+    snapshots: SnapshotConfig
+    slab: SlabConfig
+    memory: MemoryConfig
+    indexes: tuple[IndexDefinition, ...]
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any], where: str = "") -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        name = f"{where}{key}"
+        if where == "indexes.":
+            merged[key] = value  # index tables are user-defined names
+        elif key not in base:
+            raise ConfigError(f"{name}: unknown key")
+        elif isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: must be a table")
+            merged[key] = _merge(base[key], value, f"{name}.")
+        else:
+            merged[key] = value
+    return merged
+
+
+class _Section:
+    """Typed reads of one table, each naming the key on error."""
+
+    def __init__(self, table: dict[str, Any], name: str) -> None:
+        self.table = table
+        self.name = name
+
+    def fail(self, key: str, why: str) -> ConfigError:
+        return ConfigError(f"{self.name}.{key}: {why}")
+
+    def integer(self, key: str, low: int, high: int) -> int:
+        value = self.table[key]
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise self.fail(key, f"must be an integer from {low} to {high}, not {value!r}")
+        return value
+
+    def number(self, key: str, low: float, high: float) -> float:
+        value = self.table[key]
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self.fail(key, f"must be a number, not {value!r}")
+        if not low <= value <= high:
+            raise self.fail(key, f"must be from {low} to {high}, not {value!r}")
+        return float(value)
+
+    def text(self, key: str) -> str:
+        value = self.table[key]
+        if not isinstance(value, str) or not value:
+            raise self.fail(key, f"must be a non-empty string, not {value!r}")
+        return value
+
+    def size(self, key: str, total: int) -> int:
+        try:
+            size = parse_size(self.table[key], total)
+        except (ValueError, TypeError) as exc:
+            raise self.fail(key, str(exc)) from None
+        if size <= 0:
+            raise self.fail(key, "must be positive")
+        return size
+
+
+def _vbuckets(spec: Any, num: int) -> tuple[int, ...]:
+    key = "server.owned_vbuckets"
+    if spec == "all":
+        return tuple(range(num))
+    if not isinstance(spec, list) or not spec:
+        raise ConfigError(f'{key}: must be "all" or a list of vbuckets and "first-last" ranges')
+    owned: set[int] = set()
+    for item in spec:
+        if isinstance(item, int) and not isinstance(item, bool):
+            first = last = item
+        elif isinstance(item, str) and re.fullmatch(r"\d+-\d+", item):
+            first, last = (int(x) for x in item.split("-"))
+        else:
+            raise ConfigError(f"{key}: {item!r} is neither a vbucket nor a range like '0-511'")
+        if not 0 <= first <= last < num:
+            raise ConfigError(f"{key}: {item!r} is outside 0-{num - 1}")
+        owned.update(range(first, last + 1))
+    return tuple(sorted(owned))
+
+
+def _indexes(tables: Any) -> tuple[IndexDefinition, ...]:
+    if not isinstance(tables, dict):
+        raise ConfigError("indexes: must be a table of index tables")
+    if len(tables) > MAX_INDEXES:
+        raise ConfigError(f"indexes: at most {MAX_INDEXES} indexes")
+    out = []
+    for name, table in tables.items():
+        where = f"indexes.{name}"
+        if not INDEX_NAME.match(name):
+            raise ConfigError(f"{where}: an index name is a letter then letters, digits or _")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: must be a table with `keys`")
+        unknown = set(table) - {"keys"}
+        if unknown:
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key")
+        keys = table.get("keys")
+        if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_KEYS:
+            raise ConfigError(f"{where}.keys: must be a list of 1 to {MAX_KEYS} field paths")
+        for path in keys:
+            if not isinstance(path, str) or not FIELD_PATH.match(path):
+                raise ConfigError(f"{where}.keys: {path!r} is not a field path like address.zip")
+        out.append(IndexDefinition(name, tuple(keys)))
+    return tuple(out)
+
+
+def parse_config(text: str | None = None, source: str = "configuration") -> Config:
+    """The default configuration overridden by `text` (TOML), validated."""
+    default = tomllib.loads(default_config_text())
+    if text is None:
+        raw = default
+    else:
+        try:
+            override = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        if "indexes" in override:
+            default.pop("indexes")
+            default["indexes"] = {}
+        raw = _merge(default, override)
+    total = psutil.virtual_memory().total
+
+    s = _Section(raw["server"], "server")
+    num_vbuckets = s.integer("num_vbuckets", 1, 65536)
+    log_level = s.text("log_level").lower()
+    if log_level not in LOG_LEVELS:
+        raise s.fail("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    server = ServerConfig(
+        data_dir=Path(s.text("data_dir")),
+        host=s.text("host"),
+        feed_port=s.integer("feed_port", 0, 65535),
+        http_port=s.integer("http_port", 0, 65535),
+        max_frame_bytes=s.integer("max_frame_bytes", 1024, 64 << 20),
+        num_vbuckets=num_vbuckets,
+        owned_vbuckets=_vbuckets(raw["server"]["owned_vbuckets"], num_vbuckets),
+        log_level=log_level,
+    )
+    p = _Section(raw["pipeline"], "pipeline")
+    pipeline = PipelineConfig(
+        workers=p.integer("workers", 1, 256),
+        channel_batches=p.integer("channel_batches", 1, 1 << 16),
+        ring_slots=p.integer("ring_slots", 16, 1 << 26),
+        back_index_cache=p.integer("back_index_cache", 0, 1 << 30),
+    )
+    n = _Section(raw["snapshots"], "snapshots")
+    snapshots = SnapshotConfig(
+        in_memory_interval_s=n.integer("in_memory_interval_ms", 1, 60_000) / 1000,
+        persist_interval_s=n.integer("persist_interval_ms", 10, 3_600_000) / 1000,
+    )
+    b = _Section(raw["slab"], "slab")
+    slab_bytes = b.integer("slab_bytes", 4096, 1 << 30)
+    if slab_bytes < server.max_frame_bytes:
+        raise b.fail("slab_bytes", "must be at least server.max_frame_bytes")
+    slab = SlabConfig(
+        pool_bytes=b.size("pool", total),
+        slab_bytes=slab_bytes,
+        min_chunk=b.integer("min_chunk", 16, 4096),
+    )
+    if slab.pool_bytes < slab.slab_bytes:
+        raise b.fail("pool", "must hold at least one slab (slab.slab_bytes)")
+    m = _Section(raw["memory"], "memory")
+    high = m.number("high_mark", 0.05, 1.0)
+    low = m.number("low_mark", 0.01, 1.0)
+    if low >= high:
+        raise m.fail("low_mark", "must be below memory.high_mark")
+    memory = MemoryConfig(
+        quota_bytes=m.size("quota", total),
+        high_mark=high,
+        low_mark=low,
+        min_available_bytes=m.size("min_available", total),
+        sample_interval_s=m.integer("sample_interval_ms", 1, 60_000) / 1000,
+    )
+    return Config(server, pipeline, snapshots, slab, memory, _indexes(raw.get("indexes", {})))
+
+
+def load_config(path: Path | None) -> Config:
+    """The configuration from `path`, or the embedded default when None."""
+    if path is None:
+        return parse_config()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_config(text, str(path))

@@ -1,0 +1,183 @@
+"""The indexer daemon: opens the store, recovers, and runs the pipeline until SIGINT/SIGTERM.
+
+    readers (one per connection) -> dispatcher -> workers (slab pool + ring) -> LevelDB
+                                                   ^ flush up to a stability timestamp
+                                                timekeeper -> snapshot store -> acks to routers
+
+Shutdown stops intake, lets the channels and worker queues drain, flushes and persists the last
+stable snapshot, and returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from indexer.config import Config
+from indexer.dispatch import dispatch
+from indexer.reader import Reader, StreamRegistry
+from indexer.snapshots import (
+    SnapshotFileError,
+    SnapshotStore,
+    StabilityTimestamp,
+    read_snapshot_file,
+)
+from indexer.storage import IndexStore
+from indexer.timekeeper import HighWaterTimestamp, Timekeeper
+from slab import MemoryThrottle, MutationRing, SlabPool, ThrottlePolicy
+from workers.flush import BackIndexCache, IndexWriter
+from workers.worker import StreamItem, Worker
+
+log = logging.getLogger("indexer.daemon")
+
+
+@dataclass(frozen=True)
+class Listening:
+    """Where the daemon accepts router feeds, once it is ready."""
+
+    host: str
+    feed_port: int
+
+
+def recover(config: Config) -> StabilityTimestamp:
+    """The restart timestamp: the last persisted snapshot, or zero."""
+    n = config.server.num_vbuckets
+    try:
+        found = read_snapshot_file(config.server.data_dir, n)
+    except SnapshotFileError as exc:
+        # Replaying from zero is always safe: applying a document's mutations again converges.
+        log.error("%s; restarting every vbucket from seqno 0", exc)
+        return StabilityTimestamp.zero(n)
+    if found is None:
+        log.info("no persisted snapshot: starting every vbucket from seqno 0")
+        return StabilityTimestamp.zero(n)
+    ts, when = found
+    log.info(
+        "recovered persisted snapshot of %s (%d vbuckets past seqno 0)",
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)),
+        sum(1 for s in ts.seqnos if s),
+    )
+    return ts
+
+
+async def serve(config: Config, ready: Callable[[Listening], None] | None = None) -> None:
+    """Run the daemon until SIGINT or SIGTERM, then drain and persist."""
+    server = config.server
+    server.data_dir.mkdir(parents=True, exist_ok=True)
+    with IndexStore(server.data_dir) as store:
+        indexes = store.ensure_indexes(config.indexes)
+        restart = recover(config)
+        cache = BackIndexCache(config.pipeline.back_index_cache, len(indexes))
+        started = time.monotonic()
+        await trio.to_thread.run_sync(cache.load, store, indexes)
+        entry_counts = [0] * len(indexes)
+        for keys in cache.entries.values():
+            for j, key in enumerate(keys):
+                if key:
+                    entry_counts[j] += 1
+        log.info(
+            "back index: %d documents loaded in %.2f s (%s)",
+            len(cache.entries),
+            time.monotonic() - started,
+            "complete" if cache.complete else "partial: misses are read from the store",
+        )
+        snapshots = SnapshotStore(restart)
+        hwt = HighWaterTimestamp(restart)
+        pool = SlabPool(config.slab.pool_bytes, config.slab.slab_bytes, config.slab.min_chunk)
+        memory = config.memory
+        throttle = MemoryThrottle(
+            ThrottlePolicy(
+                memory.quota_bytes, memory.high_mark, memory.low_mark, memory.min_available_bytes
+            ),
+            memory.sample_interval_s,
+        )
+        workers = [
+            Worker(
+                i,
+                pool,
+                MutationRing(config.pipeline.ring_slots),
+                hwt,
+                IndexWriter(store, indexes, cache),
+            )
+            for i in range(config.pipeline.workers)
+        ]
+        timekeeper = Timekeeper(
+            hwt,
+            workers,
+            store,
+            snapshots,
+            server.data_dir,
+            config.snapshots.in_memory_interval_s,
+            config.snapshots.persist_interval_s,
+            entry_counts,
+        )
+        registry = StreamRegistry(server.owned_vbuckets, restart.seqnos)
+        capacity = config.pipeline.channel_batches
+        to_dispatch, from_readers = trio.open_memory_channel[list[StreamItem]](capacity)
+        channels = [
+            trio.open_memory_channel[list[StreamItem]](capacity) for _ in workers
+        ]
+        reader = Reader(
+            registry,
+            [i.definition for i in indexes],
+            snapshots,
+            throttle,
+            to_dispatch,
+            server.max_frame_bytes,
+        )
+        try:
+            async with trio.open_nursery() as services:
+                services.start_soon(throttle.run)
+                async with trio.open_nursery() as keeping:
+                    keeping.start_soon(timekeeper.run)
+                    async with trio.open_nursery() as pipeline:
+                        for worker, (_, receive) in zip(workers, channels, strict=True):
+                            pipeline.start_soon(worker.run, receive)
+                        pipeline.start_soon(dispatch, from_readers, [s for s, _ in channels])
+                        async with to_dispatch:
+                            await _intake(config, reader, ready)
+                    log.info("intake stopped, queues drained; flushing and persisting")
+                    timekeeper.stop()
+                services.cancel_scope.cancel()
+        finally:
+            snapshots.close()
+        stats = timekeeper.statistics()
+        log.info(
+            "stopped cleanly: %d mutations flushed, persisted seqno sum %d",
+            stats.mutations_flushed,
+            snapshots.persisted.total,
+        )
+
+
+async def _intake(
+    config: Config, reader: Reader, ready: Callable[[Listening], None] | None
+) -> None:
+    """Accept router connections until a signal arrives."""
+    server = config.server
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(
+                lambda task_status: trio.serve_tcp(
+                    reader.handle, server.feed_port, host=server.host, task_status=task_status
+                )
+            )
+            port = listeners[0].socket.getsockname()[1]
+            log.info(
+                "listening for router feeds on %s:%d; data in %s; %d indexes: %s",
+                server.host,
+                port,
+                server.data_dir.resolve(),
+                len(config.indexes),
+                ", ".join(f"{i.name}({', '.join(i.keys)})" for i in config.indexes),
+            )
+            if ready is not None:
+                ready(Listening(server.host, port))
+            async for signum in signals:
+                log.info("%s received: stopping", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break

@@ -1,0 +1,469 @@
+"""The router <-> indexer wire protocol as pure functions over bytes (sans-IO).
+
+No sockets here: `encode` turns a message into a frame, `FrameDecoder` turns received bytes into
+messages. Every frame is `length:u32 | version:u8 | type:u8 | payload`, big-endian, where length
+counts the version, type and payload bytes. See docs/protocol.md for the full layout.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+
+_HEADER = struct.Struct(">IBB")
+_VB_UUID = struct.Struct(">HQ")
+_MARKER = struct.Struct(">HQQ")
+_BATCH_HEADER = struct.Struct(">HIB")
+_RECORD_HEADER = struct.Struct(">IQBH")  # record length, seqno, op, docid length
+_RECORD_FIXED = struct.Struct(">QBH")  # the part of a record kept in the queue
+_KEY_LENGTH = struct.Struct(">I")
+_COUNT = struct.Struct(">I")
+_POSITION = struct.Struct(">HQQ")
+_ERROR = struct.Struct(">H")
+
+OP_UPSERT = 1
+OP_DELETE = 2
+
+
+class MessageType(IntEnum):
+    """The type byte of a frame."""
+
+    HANDSHAKE = 1
+    HANDSHAKE_REPLY = 2
+    STREAM_BEGIN = 3
+    STREAM_END = 4
+    SNAPSHOT_MARKER = 5
+    MUTATIONS = 6
+    ACK = 7
+    ERROR = 8
+
+
+class ErrorCode(IntEnum):
+    """Codes of error frames; the indexer closes the connection after sending one."""
+
+    PROTOCOL = 1  # malformed, truncated, unknown type or version
+    FRAME_TOO_LARGE = 2
+    NOT_MY_SLICE = 3  # a vbucket this node does not own
+    STREAM_NOT_BEGUN = 4  # a marker or mutation for a vbucket without STREAM_BEGIN
+    SEQNO_BACKWARDS = 5
+    BAD_HANDSHAKE = 6
+    STREAM_EXISTS = 7  # another connection streams this vbucket
+    OUT_OF_SNAPSHOT = 8  # a mutation outside the current snapshot marker
+    SHUTTING_DOWN = 9
+    INTERNAL = 10
+    BAD_MUTATION = 11  # a record that does not match the index definitions
+
+
+class ProtocolError(Exception):
+    """The peer sent bytes that break the protocol; `code` says how."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class IndexDefinition:
+    """An index: a name and the JSON field paths whose values form its key."""
+
+    name: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class VbucketPosition:
+    """A point in one vbucket's history: the seqno reached and the vbuuid of that history."""
+
+    vbucket: int
+    seqno: int
+    vbuuid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    """Router -> indexer: who is speaking and which vbuckets it streams."""
+
+    router: str
+    num_vbuckets: int
+    vbuckets: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeReply:
+    """Indexer -> router: index definitions, owned vbuckets, and where to restart each stream."""
+
+    indexes: tuple[IndexDefinition, ...]
+    num_vbuckets: int
+    owned: tuple[int, ...]
+    restart: tuple[VbucketPosition, ...]
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBegin:
+    vbucket: int
+    vbuuid: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    vbucket: int
+    vbuuid: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMarker:
+    """The mutations that follow, up to `end`, form one snapshot of the vbucket."""
+
+    vbucket: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    """One document change: its key for every index (b'' = not in that index)."""
+
+    seqno: int
+    docid: bytes
+    keys: tuple[bytes, ...]
+    deleted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class MutationBatch:
+    """Mutations of one vbucket as they arrived: records stay bytes until a worker flushes them.
+
+    `starts[i]`/`lengths[i]` locate record i inside `payload`; a record is what `parse_record`
+    reads (seqno, op, docid and keys, without the leading length field).
+    """
+
+    vbucket: int
+    nkeys: int
+    payload: bytes
+    seqnos: list[int]
+    starts: list[int]
+    lengths: list[int]
+
+    def records(self) -> list[bytes]:
+        """Each record as its own bytes object."""
+        p = self.payload
+        return [p[s : s + n] for s, n in zip(self.starts, self.lengths, strict=True)]
+
+    def mutations(self) -> list[Mutation]:
+        return [parse_record(r, self.nkeys) for r in self.records()]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Indexer -> router: everything at or below these positions is in a persisted snapshot."""
+
+    positions: tuple[VbucketPosition, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Indexer -> router: why the connection is being closed."""
+
+    code: ErrorCode
+    message: str
+
+
+Message = (
+    Handshake
+    | HandshakeReply
+    | StreamBegin
+    | StreamEnd
+    | SnapshotMarker
+    | MutationBatch
+    | Ack
+    | Error
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _frame(mtype: MessageType, payload: bytes) -> bytes:
+    return _HEADER.pack(len(payload) + 2, VERSION, mtype) + payload
+
+
+def encode_record(mutation: Mutation) -> bytes:
+    """One mutation record of a MUTATIONS frame, with its leading length field."""
+    docid = mutation.docid
+    parts = [b"", docid]
+    for key in mutation.keys:
+        parts.append(_KEY_LENGTH.pack(len(key)))
+        parts.append(key)
+    body_len = _RECORD_FIXED.size + sum(len(p) for p in parts)
+    op = OP_DELETE if mutation.deleted else OP_UPSERT
+    parts[0] = _RECORD_HEADER.pack(body_len, mutation.seqno, op, len(docid))
+    return b"".join(parts)
+
+
+def encode_mutations(vbucket: int, nkeys: int, records: Sequence[bytes]) -> bytes:
+    """A MUTATIONS frame from records made by `encode_record`."""
+    body = b"".join(records)
+    return _frame(MessageType.MUTATIONS, _BATCH_HEADER.pack(vbucket, len(records), nkeys) + body)
+
+
+def _positions(positions: Iterable[VbucketPosition]) -> bytes:
+    items = [_POSITION.pack(p.vbucket, p.seqno, p.vbuuid) for p in positions]
+    return _COUNT.pack(len(items)) + b"".join(items)
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def encode(message: Message) -> bytes:
+    """The frame of one message."""
+    match message:
+        case MutationBatch():
+            records = [
+                _KEY_LENGTH.pack(n) + message.payload[s : s + n]
+                for s, n in zip(message.starts, message.lengths, strict=True)
+            ]
+            return encode_mutations(message.vbucket, message.nkeys, records)
+        case SnapshotMarker(vbucket, start, end):
+            return _frame(MessageType.SNAPSHOT_MARKER, _MARKER.pack(vbucket, start, end))
+        case StreamBegin(vbucket, vbuuid):
+            return _frame(MessageType.STREAM_BEGIN, _VB_UUID.pack(vbucket, vbuuid))
+        case StreamEnd(vbucket, vbuuid):
+            return _frame(MessageType.STREAM_END, _VB_UUID.pack(vbucket, vbuuid))
+        case Ack(positions):
+            return _frame(MessageType.ACK, _positions(positions))
+        case Error(code, text):
+            return _frame(MessageType.ERROR, _ERROR.pack(code) + text.encode())
+        case Handshake(router, num_vbuckets, vbuckets):
+            body = {"router": router, "num_vbuckets": num_vbuckets, "vbuckets": list(vbuckets)}
+            return _frame(MessageType.HANDSHAKE, _json(body))
+        case HandshakeReply(indexes, num_vbuckets, owned, restart, max_frame_bytes):
+            body = {
+                "max_frame_bytes": max_frame_bytes,
+                "indexes": [{"name": i.name, "keys": list(i.keys)} for i in indexes],
+                "num_vbuckets": num_vbuckets,
+                "owned": list(owned),
+                "restart": [[p.vbucket, p.seqno, p.vbuuid] for p in restart],
+            }
+            return _frame(MessageType.HANDSHAKE_REPLY, _json(body))
+    raise TypeError(f"not a protocol message: {message!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding
+
+
+def parse_record(record: bytes, nkeys: int) -> Mutation:
+    """A queued record (without its length field) back into a Mutation."""
+    seqno, op, dlen = _RECORD_FIXED.unpack_from(record, 0)
+    pos = _RECORD_FIXED.size
+    docid = record[pos : pos + dlen]
+    pos += dlen
+    keys = []
+    for _ in range(nkeys):
+        (klen,) = _KEY_LENGTH.unpack_from(record, pos)
+        pos += 4
+        keys.append(record[pos : pos + klen])
+        pos += klen
+    return Mutation(seqno, docid, tuple(keys), op == OP_DELETE)
+
+
+def _decode_batch(payload: bytes) -> MutationBatch:
+    if len(payload) < _BATCH_HEADER.size:
+        raise ProtocolError(ErrorCode.PROTOCOL, "MUTATIONS frame shorter than its header")
+    vbucket, count, nkeys = _BATCH_HEADER.unpack_from(payload, 0)
+    seqnos: list[int] = []
+    starts: list[int] = []
+    lengths: list[int] = []
+    pos = _BATCH_HEADER.size
+    end = len(payload)
+    fixed = _RECORD_FIXED.size
+    min_len = fixed + 4 * nkeys
+    unpack_header = _RECORD_HEADER.unpack_from
+    unpack_key = _KEY_LENGTH.unpack_from
+    for i in range(count):
+        if pos + _RECORD_HEADER.size > end:
+            raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} truncated")
+        length, seqno, op, dlen = unpack_header(payload, pos)
+        start = pos + 4
+        stop = start + length
+        if length < min_len + dlen or stop > end:
+            raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} has a bad length")
+        kpos = start + fixed + dlen
+        for _ in range(nkeys):
+            (klen,) = unpack_key(payload, kpos)
+            if klen and op == OP_DELETE:
+                raise ProtocolError(ErrorCode.BAD_MUTATION, f"delete record {i} carries a key")
+            kpos += 4 + klen
+        if kpos != stop:
+            raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} keys overrun it")
+        if op != OP_UPSERT and op != OP_DELETE:
+            raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} has unknown op {op}")
+        seqnos.append(seqno)
+        starts.append(start)
+        lengths.append(length)
+        pos = stop
+    if pos != end:
+        raise ProtocolError(ErrorCode.PROTOCOL, "MUTATIONS frame has bytes after its records")
+    return MutationBatch(vbucket, nkeys, payload, seqnos, starts, lengths)
+
+
+def _decode_positions(payload: bytes) -> tuple[VbucketPosition, ...]:
+    (count,) = _COUNT.unpack_from(payload, 0)
+    if len(payload) != 4 + count * _POSITION.size:
+        raise ProtocolError(ErrorCode.PROTOCOL, "ACK frame length does not match its count")
+    return tuple(VbucketPosition(*p) for p in _POSITION.iter_unpack(payload[4:]))
+
+
+def _int_list(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, f"{what} must be a list of integers")
+    return tuple(value)
+
+
+def _decode_json(payload: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(payload)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, f"handshake is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "handshake must be a JSON object")
+    return body
+
+
+def _decode_handshake(payload: bytes) -> Handshake:
+    body = _decode_json(payload)
+    router = body.get("router", "")
+    num = body.get("num_vbuckets")
+    if not isinstance(router, str) or not isinstance(num, int) or isinstance(num, bool):
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "handshake needs router and num_vbuckets")
+    return Handshake(router, num, _int_list(body.get("vbuckets"), "vbuckets"))
+
+
+def _decode_handshake_reply(payload: bytes) -> HandshakeReply:
+    body = _decode_json(payload)
+    try:
+        indexes = tuple(IndexDefinition(i["name"], tuple(i["keys"])) for i in body["indexes"])
+        restart = tuple(VbucketPosition(int(v), int(s), int(u)) for v, s, u in body["restart"])
+        return HandshakeReply(
+            indexes,
+            int(body["num_vbuckets"]),
+            _int_list(body["owned"], "owned"),
+            restart,
+            int(body.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, f"bad handshake reply: {exc}") from None
+
+
+def _fixed(payload: bytes, layout: struct.Struct, name: str) -> tuple[Any, ...]:
+    if len(payload) != layout.size:
+        raise ProtocolError(ErrorCode.PROTOCOL, f"{name} frame must be {layout.size} bytes")
+    return layout.unpack(payload)
+
+
+def decode_payload(mtype: int, payload: bytes) -> Message:
+    """One frame's payload, given its type byte, as a message."""
+    if mtype == MessageType.MUTATIONS:
+        return _decode_batch(payload)
+    if mtype == MessageType.SNAPSHOT_MARKER:
+        return SnapshotMarker(*_fixed(payload, _MARKER, "SNAPSHOT_MARKER"))
+    if mtype == MessageType.STREAM_BEGIN:
+        return StreamBegin(*_fixed(payload, _VB_UUID, "STREAM_BEGIN"))
+    if mtype == MessageType.STREAM_END:
+        return StreamEnd(*_fixed(payload, _VB_UUID, "STREAM_END"))
+    if mtype == MessageType.ACK:
+        if len(payload) < 4:
+            raise ProtocolError(ErrorCode.PROTOCOL, "ACK frame shorter than its count")
+        return Ack(_decode_positions(payload))
+    if mtype == MessageType.ERROR:
+        if len(payload) < 2:
+            raise ProtocolError(ErrorCode.PROTOCOL, "ERROR frame shorter than its code")
+        (code,) = _ERROR.unpack_from(payload, 0)
+        try:
+            error_code = ErrorCode(code)
+        except ValueError:
+            error_code = ErrorCode.INTERNAL
+        return Error(error_code, payload[2:].decode(errors="replace"))
+    if mtype == MessageType.HANDSHAKE:
+        return _decode_handshake(payload)
+    if mtype == MessageType.HANDSHAKE_REPLY:
+        return _decode_handshake_reply(payload)
+    raise ProtocolError(ErrorCode.PROTOCOL, f"unknown frame type {mtype}")
+
+
+@dataclass
+class FrameDecoder:
+    """Collects received bytes and yields whole messages, h11-style.
+
+    `feed()` stores bytes; `messages()` returns every complete message. A protocol error found
+    after some good frames is raised on the following call, so the good frames before it are
+    still delivered and nothing of the bad frame is.
+    """
+
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    _buffer: bytearray = field(default_factory=bytearray)
+    _error: ProtocolError | None = None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._buffer += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def messages(self) -> list[Message]:
+        if self._error is not None:
+            raise self._error
+        out: list[Message] = []
+        buf = self._buffer
+        pos = 0
+        end = len(buf)
+        try:
+            while end - pos >= _HEADER.size:
+                length, version, mtype = _HEADER.unpack_from(buf, pos)
+                if length > self.max_frame_bytes:
+                    raise ProtocolError(
+                        ErrorCode.FRAME_TOO_LARGE,
+                        f"frame of {length} bytes exceeds the maximum of {self.max_frame_bytes}",
+                    )
+                if length < 2:
+                    raise ProtocolError(ErrorCode.PROTOCOL, f"frame length {length} is too short")
+                if version != VERSION:
+                    raise ProtocolError(
+                        ErrorCode.PROTOCOL, f"protocol version {version} is not {VERSION}"
+                    )
+                stop = pos + 4 + length
+                if stop > end:
+                    break
+                out.append(decode_payload(mtype, bytes(buf[pos + 6 : stop])))
+                pos = stop
+        except ProtocolError as exc:
+            self._error = exc
+            pos = end
+        except struct.error as exc:
+            self._error = ProtocolError(ErrorCode.PROTOCOL, f"malformed frame: {exc}")
+            pos = end
+        del buf[:pos]
+        if not out and self._error is not None:
+            raise self._error
+        return out
+
+    def close(self) -> None:
+        """The peer closed its side: leftover bytes are a truncated frame."""
+        if self._buffer and self._error is None:
+            raise ProtocolError(
+                ErrorCode.PROTOCOL, f"connection closed inside a frame ({len(self._buffer)} bytes)"
+            )

@@ -1,0 +1,359 @@
+"""The reader: one task per router connection.
+
+It receives bytes, decodes every complete frame of a receive at once, checks each frame against
+the stream rules (handshake first, vbucket owned, stream begun, seqnos increasing inside the
+current snapshot marker) and hands the accepted items onward as one list. A frame that breaks a
+rule gets an error frame and closes the connection; nothing of that frame is handed on, and the
+daemon keeps serving every other connection. Acks of persisted snapshots go back on the same
+connection from a second task.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from indexer import protocol as p
+from indexer.protocol import ErrorCode, ProtocolError
+from indexer.snapshots import SnapshotStore
+from slab import MemoryThrottle
+from workers.worker import StreamItem
+
+log = logging.getLogger("indexer.reader")
+
+RECEIVE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ReaderStatistics:
+    connections: int
+    connections_total: int
+    frames: int
+    mutations: int
+    duplicates_skipped: int
+    protocol_errors: int
+    throttle_waits: int
+
+
+class StreamRegistry:
+    """What every vbucket stream has delivered, shared by all connections.
+
+    `received[vb]` is the highest seqno handed to the pipeline: after a reconnect a router may
+    resend from the persisted timestamp, and records at or below it are skipped as duplicates.
+    """
+
+    def __init__(self, owned: Sequence[int], persisted_seqnos: Sequence[int]) -> None:
+        n = len(persisted_seqnos)
+        self.owned = bytearray(n)
+        for vb in owned:
+            self.owned[vb] = 1
+        self.received = list(persisted_seqnos)
+        self.owner: list[int | None] = [None] * n
+        self.last_in_stream = [0] * n  # highest seqno or marker end seen in the current stream
+        self.marker_start = [0] * n
+        self.marker_end = [-1] * n  # -1: no marker yet in this stream
+        self.connections = 0
+        self.connections_total = 0
+        self.frames = 0
+        self.mutations = 0
+        self.duplicates = 0
+        self.errors = 0
+        self.throttle_waits = 0
+
+    def statistics(self) -> ReaderStatistics:
+        return ReaderStatistics(
+            connections=self.connections,
+            connections_total=self.connections_total,
+            frames=self.frames,
+            mutations=self.mutations,
+            duplicates_skipped=self.duplicates,
+            protocol_errors=self.errors,
+            throttle_waits=self.throttle_waits,
+        )
+
+
+class Connection:
+    """The protocol state of one router connection, without I/O: messages in, items out."""
+
+    def __init__(self, conn_id: int, registry: StreamRegistry, nkeys: int) -> None:
+        self.conn_id = conn_id
+        self.registry = registry
+        self.nkeys = nkeys
+        self.handshake: p.Handshake | None = None
+        self.vbuckets: set[int] = set()
+
+    def _check_vbucket(self, vb: int) -> None:
+        reg = self.registry
+        if vb >= len(reg.owned) or not reg.owned[vb]:
+            raise ProtocolError(ErrorCode.NOT_MY_SLICE, f"vbucket {vb} is not owned by this node")
+
+    def _check_streaming(self, vb: int) -> None:
+        self._check_vbucket(vb)
+        if self.registry.owner[vb] != self.conn_id:
+            raise ProtocolError(
+                ErrorCode.STREAM_NOT_BEGUN, f"vbucket {vb} has no STREAM_BEGIN on this connection"
+            )
+
+    def accept(self, message: p.Message) -> StreamItem | None:
+        """Check one message; the item to hand on (None if nothing), or ProtocolError."""
+        reg = self.registry
+        if self.handshake is None:
+            if type(message) is not p.Handshake:
+                raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "the first frame must be HANDSHAKE")
+            if message.num_vbuckets != len(reg.owned):
+                raise ProtocolError(
+                    ErrorCode.BAD_HANDSHAKE,
+                    f"router uses {message.num_vbuckets} vbuckets, this node {len(reg.owned)}",
+                )
+            self.handshake = message
+            return None
+        if type(message) is p.MutationBatch:
+            return self._accept_batch(message)
+        if type(message) is p.SnapshotMarker:
+            vb = message.vbucket
+            self._check_streaming(vb)
+            if message.start > message.end:
+                raise ProtocolError(
+                    ErrorCode.PROTOCOL, f"vbucket {vb}: marker start {message.start} > end"
+                )
+            if message.start <= reg.last_in_stream[vb]:
+                raise ProtocolError(
+                    ErrorCode.SEQNO_BACKWARDS,
+                    f"vbucket {vb}: marker starts at {message.start}, "
+                    f"not after {reg.last_in_stream[vb]}",
+                )
+            reg.marker_start[vb] = message.start
+            reg.marker_end[vb] = message.end
+            reg.last_in_stream[vb] = message.start - 1
+            return message if message.end > reg.received[vb] else None
+        if type(message) is p.StreamBegin:
+            vb = message.vbucket
+            self._check_vbucket(vb)
+            owner = reg.owner[vb]
+            if owner is not None and owner != self.conn_id:
+                raise ProtocolError(
+                    ErrorCode.STREAM_EXISTS, f"vbucket {vb} is streamed by another connection"
+                )
+            reg.owner[vb] = self.conn_id
+            reg.last_in_stream[vb] = 0
+            reg.marker_end[vb] = -1
+            self.vbuckets.add(vb)
+            return message
+        if type(message) is p.StreamEnd:
+            self._check_streaming(message.vbucket)
+            reg.owner[message.vbucket] = None
+            return None
+        if type(message) is p.Handshake:
+            raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "HANDSHAKE sent twice")
+        raise ProtocolError(
+            ErrorCode.PROTOCOL, f"{type(message).__name__} is not sent by routers"
+        )
+
+    def _accept_batch(self, batch: p.MutationBatch) -> p.MutationBatch | None:
+        reg = self.registry
+        vb = batch.vbucket
+        self._check_streaming(vb)
+        if batch.nkeys != self.nkeys:
+            raise ProtocolError(
+                ErrorCode.BAD_MUTATION,
+                f"records carry {batch.nkeys} keys, this node has {self.nkeys} indexes",
+            )
+        seqnos = batch.seqnos
+        if not seqnos:
+            return None
+        end = reg.marker_end[vb]
+        if end < 0:
+            raise ProtocolError(
+                ErrorCode.OUT_OF_SNAPSHOT, f"vbucket {vb}: mutations before a SNAPSHOT_MARKER"
+            )
+        last = reg.last_in_stream[vb]
+        for seqno in seqnos:
+            if seqno <= last:
+                raise ProtocolError(
+                    ErrorCode.SEQNO_BACKWARDS, f"vbucket {vb}: seqno {seqno} after {last}"
+                )
+            last = seqno
+        if last > end or seqnos[0] < reg.marker_start[vb]:
+            raise ProtocolError(
+                ErrorCode.OUT_OF_SNAPSHOT,
+                f"vbucket {vb}: seqnos {seqnos[0]}-{last} outside the snapshot "
+                f"{reg.marker_start[vb]}-{end}",
+            )
+        reg.last_in_stream[vb] = last
+        received = reg.received[vb]
+        reg.mutations += len(seqnos)
+        if seqnos[0] > received:
+            reg.received[vb] = last
+            return batch
+        keep = [i for i, s in enumerate(seqnos) if s > received]
+        reg.duplicates += len(seqnos) - len(keep)
+        if not keep:
+            return None
+        reg.received[vb] = last
+        return p.MutationBatch(
+            vb,
+            batch.nkeys,
+            batch.payload,
+            [seqnos[i] for i in keep],
+            [batch.starts[i] for i in keep],
+            [batch.lengths[i] for i in keep],
+        )
+
+    def release(self) -> None:
+        """The connection is gone: its vbuckets may be streamed by another one."""
+        for vb in self.vbuckets:
+            if self.registry.owner[vb] == self.conn_id:
+                self.registry.owner[vb] = None
+
+
+class Reader:
+    """Serves router connections: handshake, frames in, items to the dispatcher, acks out."""
+
+    def __init__(
+        self,
+        registry: StreamRegistry,
+        indexes: Sequence[p.IndexDefinition],
+        snapshots: SnapshotStore,
+        throttle: MemoryThrottle,
+        items: trio.MemorySendChannel[list[StreamItem]],
+        max_frame_bytes: int,
+    ) -> None:
+        self.registry = registry
+        self.indexes = tuple(indexes)
+        self.snapshots = snapshots
+        self.throttle = throttle
+        self.items = items
+        self.max_frame_bytes = max_frame_bytes
+        self._ids = itertools.count(1)
+
+    async def handle(self, stream: trio.abc.Stream) -> None:
+        """The task of one connection (given to trio.serve_tcp)."""
+        conn = Connection(next(self._ids), self.registry, len(self.indexes))
+        peer = _peer(stream)
+        reg = self.registry
+        reg.connections += 1
+        reg.connections_total += 1
+        send_lock = trio.Lock()
+        try:
+            async with self.items.clone() as items, trio.open_nursery() as nursery:
+                try:
+                    await self._read(stream, conn, items, send_lock, nursery, peer)
+                except ProtocolError as exc:
+                    reg.errors += 1
+                    log.warning("router %s refused: %s (%s)", peer, exc.message, exc.code.name)
+                    with trio.move_on_after(2):
+                        async with send_lock:
+                            await stream.send_all(p.encode(p.Error(exc.code, exc.message)))
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    log.info("router %s disconnected: %s", peer, exc)
+                nursery.cancel_scope.cancel()
+        finally:
+            conn.release()
+            reg.connections -= 1
+            with trio.move_on_after(1) as cleanup:
+                cleanup.shield = True
+                await stream.aclose()
+
+    async def _read(
+        self,
+        stream: trio.abc.Stream,
+        conn: Connection,
+        items: trio.MemorySendChannel[list[StreamItem]],
+        send_lock: trio.Lock,
+        nursery: trio.Nursery,
+        peer: str,
+    ) -> None:
+        decoder = p.FrameDecoder(self.max_frame_bytes)
+        reg = self.registry
+        throttle = self.throttle
+        while True:
+            if throttle.paused:
+                reg.throttle_waits += 1
+                await throttle.wait_open()
+            data = await stream.receive_some(RECEIVE_BYTES)
+            if not data:
+                decoder.close()
+                log.info("router %s closed the connection", peer)
+                return
+            decoder.feed(data)
+            accepted: list[StreamItem] = []
+            try:
+                while True:
+                    messages = decoder.messages()
+                    if not messages:
+                        break
+                    for message in messages:
+                        reg.frames += 1
+                        was_new = conn.handshake is None
+                        item = conn.accept(message)
+                        if item is not None:
+                            accepted.append(item)
+                        if was_new and conn.handshake is not None:
+                            await self._reply(stream, conn, send_lock, nursery, peer)
+                    if decoder.buffered < 6:
+                        break
+            finally:
+                # Frames before a bad one are valid: hand them on before the error goes out.
+                if accepted:
+                    await items.send(accepted)
+
+    async def _reply(
+        self,
+        stream: trio.abc.Stream,
+        conn: Connection,
+        send_lock: trio.Lock,
+        nursery: trio.Nursery,
+        peer: str,
+    ) -> None:
+        assert conn.handshake is not None
+        owned = tuple(vb for vb, flag in enumerate(self.registry.owned) if flag)
+        persisted = self.snapshots.persisted
+        wanted = [vb for vb in conn.handshake.vbuckets if 0 <= vb < len(self.registry.owned)]
+        reply = p.HandshakeReply(
+            self.indexes,
+            len(self.registry.owned),
+            owned,
+            persisted.positions(wanted),
+            self.max_frame_bytes,
+        )
+        async with send_lock:
+            await stream.send_all(p.encode(reply))
+        log.info(
+            "router %s (%s) connected: %d vbuckets asked, %d owned here",
+            peer,
+            conn.handshake.router or "unnamed",
+            len(wanted),
+            sum(1 for vb in wanted if self.registry.owned[vb]),
+        )
+        nursery.start_soon(self._send_acks, stream, conn, send_lock)
+
+    async def _send_acks(
+        self, stream: trio.abc.Stream, conn: Connection, send_lock: trio.Lock
+    ) -> None:
+        """Tell the router each time a persisted snapshot moves any of its vbuckets."""
+        sent: dict[int, int] = {}
+        while True:
+            await self.snapshots.wait_changed()
+            ts = self.snapshots.persisted
+            moved = [vb for vb in conn.vbuckets if sent.get(vb) != ts.seqnos[vb]]
+            if not moved:
+                continue
+            for vb in moved:
+                sent[vb] = ts.seqnos[vb]
+            try:
+                async with send_lock:
+                    await stream.send_all(p.encode(p.Ack(ts.positions(sorted(moved)))))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+
+
+def _peer(stream: trio.abc.Stream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]  # type: ignore[attr-defined]
+        return f"{host}:{port}"
+    except (AttributeError, OSError):
+        return "unknown"

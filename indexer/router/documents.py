@@ -1,0 +1,57 @@
+"""Document sources of a router feed and the mapping of documents to vbuckets."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class DocumentError(ValueError):
+    """A line of the input is not a document the feed understands."""
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """An upsert (`body` is the JSON object) or a delete (`body` is None) of one document."""
+
+    docid: str
+    body: dict[str, Any] | None
+
+
+def vbucket_of(docid: bytes, num_vbuckets: int) -> int:
+    """The vbucket of a document: CRC32 of its id modulo the number of vbuckets."""
+    return zlib.crc32(docid) % num_vbuckets
+
+
+def parse_line(line: str, where: str) -> Document:
+    """One JSONL line: {"id": ..., "doc": {...}} or {"id": ..., "deleted": true}."""
+    try:
+        item = json.loads(line)
+    except ValueError as exc:
+        raise DocumentError(f"{where}: not JSON: {exc}") from None
+    if not isinstance(item, dict) or "id" not in item:
+        raise DocumentError(f'{where}: expected an object with "id"')
+    docid = item["id"]
+    if isinstance(docid, bool) or not isinstance(docid, str | int) or docid == "":
+        raise DocumentError(f"{where}: id must be a non-empty string or an integer")
+    docid = str(docid)
+    if len(docid.encode()) > 250:
+        raise DocumentError(f"{where}: id longer than 250 bytes")
+    if item.get("deleted") is True:
+        return Document(docid, None)
+    body = item.get("doc")
+    if not isinstance(body, dict):
+        raise DocumentError(f'{where}: expected "doc": {{...}} or "deleted": true')
+    return Document(docid, body)
+
+
+def read_jsonl(path: Path) -> Iterator[Document]:
+    """Documents of a JSONL file in file order; blank lines are skipped."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield parse_line(line, f"{path}:{number}")

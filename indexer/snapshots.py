@@ -1,0 +1,177 @@
+"""Stability snapshots: the latest readable one, and the persisted one recorded in its own file.
+
+A stability timestamp is a seqno (and vbuuid) per vbucket at which every mutation at or below it
+is applied. The persisted timestamp lives in `snapshot.json` beside the store, written atomically
+(write, fsync, rename, fsync the directory) with a CRC32 so a torn or edited file is detected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from indexer.protocol import VbucketPosition
+
+SNAPSHOT_FILE = "snapshot.json"
+FORMAT = 1
+
+log = logging.getLogger("indexer.snapshots")
+
+
+class SnapshotFileError(Exception):
+    """The persisted snapshot file is unreadable or fails its checksum."""
+
+
+@dataclass(frozen=True)
+class StabilityTimestamp:
+    """A seqno and vbuuid per vbucket; everything at or below the seqnos is applied."""
+
+    seqnos: tuple[int, ...]
+    vbuuids: tuple[int, ...]
+
+    @classmethod
+    def zero(cls, num_vbuckets: int) -> StabilityTimestamp:
+        return cls((0,) * num_vbuckets, (0,) * num_vbuckets)
+
+    def covers(self, seqnos: Iterable[tuple[int, int]]) -> bool:
+        """True when every (vbucket, seqno) given is at or below this timestamp."""
+        mine = self.seqnos
+        return all(mine[vb] >= seqno for vb, seqno in seqnos)
+
+    def positions(self, vbuckets: Iterable[int]) -> tuple[VbucketPosition, ...]:
+        return tuple(VbucketPosition(vb, self.seqnos[vb], self.vbuuids[vb]) for vb in vbuckets)
+
+    @property
+    def total(self) -> int:
+        """Sum of seqnos: a rough count of what the timestamp covers, for logs."""
+        return sum(self.seqnos)
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return f"{zlib.crc32(canonical):08x}"
+
+
+def write_snapshot_file(data_dir: Path, ts: StabilityTimestamp) -> None:
+    """Record `ts` as the persisted snapshot: atomic and durable (blocking)."""
+    body: dict[str, Any] = {
+        "format": FORMAT,
+        "persisted_at": time.time(),
+        "seqnos": list(ts.seqnos),
+        "vbuuids": list(ts.vbuuids),
+    }
+    body["checksum"] = _checksum(body)
+    path = data_dir / SNAPSHOT_FILE
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(body).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(data_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_snapshot_file(
+    data_dir: Path, num_vbuckets: int
+) -> tuple[StabilityTimestamp, float] | None:
+    """The persisted timestamp and when it was written, or None if none was ever persisted."""
+    path = data_dir / SNAPSHOT_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        body = json.loads(raw)
+        checksum = body.pop("checksum")
+        if checksum != _checksum(body):
+            raise SnapshotFileError(f"{path}: checksum mismatch")
+        if body["format"] != FORMAT:
+            raise SnapshotFileError(f"{path}: unknown format {body['format']}")
+        seqnos = tuple(int(s) for s in body["seqnos"])
+        vbuuids = tuple(int(u) for u in body["vbuuids"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SnapshotFileError(f"{path}: unreadable: {exc}") from None
+    if len(seqnos) != num_vbuckets or len(vbuuids) != num_vbuckets:
+        raise SnapshotFileError(
+            f"{path}: holds {len(seqnos)} vbuckets but the configuration has {num_vbuckets}"
+        )
+    return StabilityTimestamp(seqnos, vbuuids), float(body["persisted_at"])
+
+
+@dataclass(frozen=True)
+class StabilitySnapshot:
+    """A readable snapshot: its timestamp and the LevelDB snapshot that shows exactly it."""
+
+    timestamp: StabilityTimestamp
+    store_snapshot: Any
+    created_at: float
+
+
+@dataclass(frozen=True)
+class SnapshotStatistics:
+    stable_total: int
+    persisted_total: int
+    snapshots_published: int
+    snapshots_persisted: int
+    last_persist_lag_s: float
+
+
+class SnapshotStore:
+    """The latest readable and persisted snapshots; tasks wait here for newer ones."""
+
+    def __init__(self, persisted: StabilityTimestamp) -> None:
+        self.stable: StabilitySnapshot | None = None
+        self.persisted = persisted
+        self._published = 0
+        self._persisted_count = 0
+        self._persist_lag = 0.0
+        self._changed = trio.Event()
+
+    def publish(self, snapshot: StabilitySnapshot) -> None:
+        old = self.stable
+        self.stable = snapshot
+        if old is not None and old.store_snapshot is not None:
+            old.store_snapshot.close()
+        self._published += 1
+        self._wake()
+
+    def record_persisted(self, ts: StabilityTimestamp, lag_s: float) -> None:
+        self.persisted = ts
+        self._persisted_count += 1
+        self._persist_lag = lag_s
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        """Return after the next publish or persist."""
+        await self._changed.wait()
+
+    def close(self) -> None:
+        if self.stable is not None and self.stable.store_snapshot is not None:
+            self.stable.store_snapshot.close()
+        self.stable = None
+
+    def statistics(self) -> SnapshotStatistics:
+        return SnapshotStatistics(
+            stable_total=self.stable.timestamp.total if self.stable else 0,
+            persisted_total=self.persisted.total,
+            snapshots_published=self._published,
+            snapshots_persisted=self._persisted_count,
+            last_persist_lag_s=self._persist_lag,
+        )

@@ -1,0 +1,197 @@
+"""The timekeeper: the one place that decides what is stable.
+
+Workers raise the high-water timestamp (HWT) of each vbucket as mutations reach their queues.
+Every in-memory snapshot interval the timekeeper cuts a stability timestamp aligned to snapshot
+markers (a vbucket counts up to the end of its last complete snapshot), has every worker flush
+up to it, and publishes it as a readable snapshot. Every persisted snapshot interval it syncs the
+store and records the latest readable timestamp in the snapshot file.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from indexer.snapshots import (
+    SnapshotStore,
+    StabilitySnapshot,
+    StabilityTimestamp,
+    write_snapshot_file,
+)
+from indexer.storage import IndexStore
+
+if TYPE_CHECKING:
+    from workers.worker import Worker
+
+log = logging.getLogger("indexer.timekeeper")
+
+
+class HighWaterTimestamp:
+    """Per vbucket: highest queued seqno, vbuuid, current snapshot marker, last complete snapshot.
+
+    Only the worker owning a vbucket writes its entries; the timekeeper reads them.
+    """
+
+    def __init__(self, start: StabilityTimestamp) -> None:
+        n = len(start.seqnos)
+        self.seqnos = list(start.seqnos)
+        self.vbuuids = list(start.vbuuids)
+        self.snapshot_start = list(start.seqnos)
+        self.snapshot_end = list(start.seqnos)
+        self.stable = list(start.seqnos)
+        self.num_vbuckets = n
+
+    def record_begin(self, vbucket: int, vbuuid: int) -> None:
+        self.vbuuids[vbucket] = vbuuid
+
+    def record_marker(self, vbucket: int, start: int, end: int) -> None:
+        # A new marker closes the previous snapshot even if its last seqnos were deduplicated.
+        if self.snapshot_end[vbucket] > self.stable[vbucket]:
+            self.stable[vbucket] = max(self.seqnos[vbucket], self.stable[vbucket])
+        self.snapshot_start[vbucket] = start
+        self.snapshot_end[vbucket] = end
+
+    def record_mutations(self, vbucket: int, last_seqno: int) -> None:
+        self.seqnos[vbucket] = last_seqno
+        if last_seqno >= self.snapshot_end[vbucket]:
+            self.stable[vbucket] = last_seqno
+
+    def stability_timestamp(self) -> StabilityTimestamp:
+        """Aligned to snapshot markers: no vbucket shows half a snapshot."""
+        return StabilityTimestamp(tuple(self.stable), tuple(self.vbuuids))
+
+    def high_water(self) -> StabilityTimestamp:
+        """Everything queued, aligned or not."""
+        return StabilityTimestamp(tuple(self.seqnos), tuple(self.vbuuids))
+
+
+@dataclass(frozen=True)
+class TimekeeperStatistics:
+    flushes: int
+    memory_flushes: int
+    mutations_flushed: int
+    puts: int
+    deletes: int
+    entry_counts: tuple[int, ...]
+
+
+class Timekeeper:
+    """Cuts stability timestamps, drives worker flushes, publishes and persists snapshots."""
+
+    def __init__(
+        self,
+        hwt: HighWaterTimestamp,
+        workers: Sequence[Worker],
+        store: IndexStore,
+        snapshots: SnapshotStore,
+        data_dir: Path,
+        in_memory_interval_s: float,
+        persist_interval_s: float,
+        entry_counts: Sequence[int],
+    ) -> None:
+        self.hwt = hwt
+        self.workers = workers
+        self.store = store
+        self.snapshots = snapshots
+        self.data_dir = data_dir
+        self.in_memory_interval_s = in_memory_interval_s
+        self.persist_interval_s = persist_interval_s
+        start = snapshots.persisted
+        self._stable = start
+        # What the store may hold beyond the stable timestamp after a flush under memory pressure.
+        self._store_high = list(start.seqnos)
+        self._stopping = trio.Event()
+        self._flushes = 0
+        self._memory_flushes = 0
+        self._mutations = 0
+        self._puts = 0
+        self._deletes = 0
+        self.entry_counts = list(entry_counts)
+
+    def stop(self) -> None:
+        """Ask `run` to flush what is stable, persist it and return."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        last_persist = trio.current_time()
+        while not self._stopping.is_set():
+            with trio.move_on_after(self.in_memory_interval_s):
+                await self._stopping.wait()
+            await self.cut()
+            if trio.current_time() - last_persist >= self.persist_interval_s:
+                await self.persist()
+                last_persist = trio.current_time()
+        await self.cut()
+        await self.persist()
+        # Queued mutations of snapshots never completed: write them so nothing queued is
+        # dropped; the persisted timestamp stays aligned and routers resend from it.
+        await self._flush_all(self.hwt.high_water().seqnos)
+
+    async def cut(self) -> None:
+        """Flush up to a new stability timestamp and publish it, or relieve memory pressure."""
+        ts = self.hwt.stability_timestamp()
+        if ts.seqnos != self._stable.seqnos:
+            await self._flush_all(ts.seqnos)
+            self._stable = ts
+            self._flushes += 1
+            if all(h <= s for h, s in zip(self._store_high, ts.seqnos, strict=True)):
+                snap = StabilitySnapshot(ts, self.store.snapshot(), time.time())
+                self.snapshots.publish(snap)
+        elif any(w.blocked for w in self.workers):
+            # The queues are full of snapshots not yet complete: write them without publishing.
+            high = self.hwt.high_water().seqnos
+            await self._flush_all(high)
+            self._store_high = [max(a, b) for a, b in zip(self._store_high, high, strict=True)]
+            self._memory_flushes += 1
+
+    async def _flush_all(self, upto: Sequence[int]) -> None:
+        results = []
+
+        async def flush_one(worker: Worker) -> None:
+            result = await worker.flush(upto)
+            if result is not None:
+                results.append(result)
+
+        async with trio.open_nursery() as nursery:
+            for worker in self.workers:
+                nursery.start_soon(flush_one, worker)
+        for r in results:
+            self._mutations += r.mutations
+            self._puts += r.puts
+            self._deletes += r.deletes
+            for j, d in enumerate(r.entry_deltas):
+                self.entry_counts[j] += d
+
+    async def persist(self) -> None:
+        """Sync the store and record the latest readable timestamp in the snapshot file."""
+        stable = self.snapshots.stable
+        if stable is None or stable.timestamp == self.snapshots.persisted:
+            return
+        ts = stable.timestamp
+        started = time.time()
+        await trio.to_thread.run_sync(self.store.sync)
+        await trio.to_thread.run_sync(write_snapshot_file, self.data_dir, ts)
+        lag = time.time() - stable.created_at
+        self.snapshots.record_persisted(ts, lag)
+        log.info(
+            "snapshot persisted: %d mutations covered, lag %.0f ms, sync %.0f ms",
+            ts.total,
+            lag * 1000,
+            (time.time() - started) * 1000,
+        )
+
+    def statistics(self) -> TimekeeperStatistics:
+        return TimekeeperStatistics(
+            flushes=self._flushes,
+            memory_flushes=self._memory_flushes,
+            mutations_flushed=self._mutations,
+            puts=self._puts,
+            deletes=self._deletes,
+            entry_counts=tuple(self.entry_counts),
+        )

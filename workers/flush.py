@@ -1,0 +1,171 @@
+"""The flush: queued mutation records -> main and back index changes -> one LevelDB WriteBatch.
+
+Follows Couchbase's slice writer: per document, the back index gives the keys it is indexed
+under now; an unchanged key is skipped, a changed one deletes the old main entry and writes the
+new one, a delete removes both. Superseded mutations of a document inside the flushed range are
+skipped: only its last one is written.
+
+The back index is read from memory (`BackIndexCache`), not from LevelDB per mutation: while the
+whole back index fits in the cache, a miss means "not indexed"; beyond that, misses are read
+from the store in key order in the flush thread.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+from indexer.protocol import OP_DELETE
+from indexer.storage import IndexStore, StoredIndex
+
+_FIXED = struct.Struct(">QBH")
+_KEY_LENGTH = struct.Struct(">I")
+
+Keys = tuple[bytes, ...]
+
+
+class BackIndexCache:
+    """docid -> the encoded key under every index, shared by all workers.
+
+    `complete` is True while the cache holds the entire back index, so a miss means the document
+    is in no index. Once it would exceed `capacity`, the oldest half is evicted and misses are
+    looked up in the store.
+    """
+
+    def __init__(self, capacity: int, nindexes: int) -> None:
+        self.capacity = capacity
+        self.nindexes = nindexes
+        self.entries: dict[bytes, Keys] = {}
+        self.complete = True
+        self._lock = threading.Lock()
+
+    def load(self, store: IndexStore, indexes: Sequence[StoredIndex]) -> None:
+        """Fill from the store's back index; stays complete only if everything fits."""
+        empty = (b"",) * self.nindexes
+        entries: dict[bytes, list[bytes]] = {}
+        for j, index in enumerate(indexes):
+            for docid, key in store.back_entries(index):
+                keys = entries.get(docid)
+                if keys is None:
+                    if len(entries) >= self.capacity:
+                        self.complete = False
+                        break
+                    keys = entries[docid] = list(empty)
+                keys[j] = key
+        self.entries = {docid: tuple(keys) for docid, keys in entries.items()}
+
+    def trim(self) -> None:
+        """Evict the oldest half once over capacity (called from flush threads)."""
+        if len(self.entries) <= self.capacity:
+            return
+        with self._lock:
+            excess = len(self.entries) - self.capacity // 2
+            if excess <= 0:
+                return
+            for docid in list(islice(self.entries, excess)):
+                self.entries.pop(docid, None)
+            self.complete = False
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    """What one flush did: mutations taken, documents written, LevelDB operations."""
+
+    mutations: int
+    documents: int
+    puts: int
+    deletes: int
+    entry_deltas: tuple[int, ...]
+
+
+class IndexWriter:
+    """Turns a list of queued records into one WriteBatch; one writer per worker."""
+
+    def __init__(self, store: IndexStore, indexes: Sequence[StoredIndex], cache: BackIndexCache):
+        self.store = store
+        self.nindexes = len(indexes)
+        self.main_prefixes = [i.main_prefix for i in indexes]
+        self.back_prefixes = [i.back_prefix for i in indexes]
+        self.cache = cache
+
+    def _latest(self, records: Sequence[bytes]) -> dict[bytes, bytes]:
+        """docid -> its last record; records of one document arrive in seqno order."""
+        latest: dict[bytes, bytes] = {}
+        unpack = _FIXED.unpack_from
+        for record in records:
+            dlen = unpack(record, 0)[2]
+            latest[record[11 : 11 + dlen]] = record
+        return latest
+
+    def _new_keys(self, record: bytes, dlen: int) -> Keys:
+        pos = 11 + dlen
+        keys = []
+        unpack = _KEY_LENGTH.unpack_from
+        for _ in range(self.nindexes):
+            (klen,) = unpack(record, pos)
+            pos += 4
+            keys.append(record[pos : pos + klen])
+            pos += klen
+        return tuple(keys)
+
+    def _old_keys(self, docids: list[bytes]) -> dict[bytes, Keys]:
+        """Back-index entries of documents the cache does not hold, read in key order."""
+        found: dict[bytes, Keys] = {}
+        get = self.store.get
+        for docid in sorted(docids):
+            found[docid] = tuple(get(p + docid) or b"" for p in self.back_prefixes)
+        return found
+
+    def apply(self, records: Sequence[bytes]) -> FlushResult:
+        """Write the effect of `records` (blocking: runs in a worker thread)."""
+        latest = self._latest(records)
+        cache = self.cache
+        entries = cache.entries
+        empty: Keys = (b"",) * self.nindexes
+        looked_up: dict[bytes, Keys] = {}
+        if not cache.complete:
+            looked_up = self._old_keys([d for d in latest if d not in entries])
+        deltas = [0] * self.nindexes
+        puts = deletes = 0
+        main_prefixes = self.main_prefixes
+        back_prefixes = self.back_prefixes
+        unpack = _FIXED.unpack_from
+        batch = self.store.write_batch()
+        put = batch.put
+        delete = batch.delete
+        for docid, record in latest.items():
+            _, op, dlen = unpack(record, 0)
+            new = empty if op == OP_DELETE else self._new_keys(record, dlen)
+            old = entries.get(docid) or looked_up.get(docid) or empty
+            if old == new:
+                continue
+            for j in range(self.nindexes):
+                o = old[j]
+                n = new[j]
+                if o == n:
+                    continue
+                if o:
+                    delete(main_prefixes[j] + o + docid)
+                    deletes += 1
+                    deltas[j] -= 1
+                if n:
+                    put(main_prefixes[j] + n + docid, b"")
+                    put(back_prefixes[j] + docid, n)
+                    puts += 2
+                    deltas[j] += 1
+                else:
+                    delete(back_prefixes[j] + docid)
+                    deletes += 1
+            if new == empty:
+                if cache.complete:
+                    entries.pop(docid, None)
+                else:
+                    entries[docid] = empty  # remember "in no index" to skip a lookup later
+            else:
+                entries[docid] = new
+        batch.write()
+        cache.trim()
+        return FlushResult(len(records), len(latest), puts, deletes, tuple(deltas))

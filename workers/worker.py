@@ -1,0 +1,116 @@
+"""A worker queue: copies mutations into slab chunks, orders them in a ring, flushes on demand.
+
+Each worker owns the vbuckets v with v % workers == its number. Its intake task takes lists of
+stream items from its channel in arrival order: a marker or a stream begin updates the vbucket's
+high-water timestamp, a mutation batch is copied into the slab pool and pushed onto the ring and
+then raises the HWT. The timekeeper later calls `flush(upto)`, which drains every queued entry at
+or below `upto` and writes it to LevelDB in a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from indexer.protocol import MutationBatch, SnapshotMarker, StreamBegin
+from indexer.timekeeper import HighWaterTimestamp
+from slab import MutationRing, SlabPool
+from workers.flush import FlushResult, IndexWriter
+
+StreamItem = StreamBegin | SnapshotMarker | MutationBatch
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    worker: int
+    queued: int
+    enqueued: int
+    flushed: int
+    flushes: int
+    blocked: bool
+
+
+class Worker:
+    """One worker queue: intake from a channel, a ring of slab chunks, flushes to the store."""
+
+    def __init__(
+        self,
+        number: int,
+        pool: SlabPool,
+        ring: MutationRing,
+        hwt: HighWaterTimestamp,
+        writer: IndexWriter,
+    ) -> None:
+        self.number = number
+        self.pool = pool
+        self.ring = ring
+        self.hwt = hwt
+        self.writer = writer
+        self.blocked = False
+        self._enqueued = 0
+        self._flushed = 0
+        self._flushes = 0
+
+    async def run(self, items: trio.MemoryReceiveChannel[list[StreamItem]]) -> None:
+        """Take items until the channel closes (the dispatcher has drained)."""
+        hwt = self.hwt
+        async with items:
+            async for batch in items:
+                for item in batch:
+                    if type(item) is MutationBatch:
+                        await self._enqueue(item)
+                    elif type(item) is SnapshotMarker:
+                        hwt.record_marker(item.vbucket, item.start, item.end)
+                    elif type(item) is StreamBegin:
+                        hwt.record_begin(item.vbucket, item.vbuuid)
+
+    async def _enqueue(self, batch: MutationBatch) -> None:
+        n = len(batch.seqnos)
+        lengths = batch.lengths
+        ring = self.ring
+        if ring.free_slots() < n:
+            self.blocked = True
+            await ring.wait_for_space(n)
+        chunks = self.pool.try_alloc_many(lengths)
+        if chunks is None:
+            self.blocked = True
+            chunks = await self.pool.alloc_many(lengths)
+        self.blocked = False
+        view = memoryview(batch.payload)
+        self.pool.write_many(
+            chunks, [view[s : s + k] for s, k in zip(batch.starts, lengths, strict=True)]
+        )
+        ring.push_many(batch.vbucket, batch.seqnos, chunks, lengths)
+        self.hwt.record_mutations(batch.vbucket, batch.seqnos[-1])
+        self._enqueued += n
+
+    def take(self, upto: Sequence[int]) -> list[bytes]:
+        """Drain every queued record at or below `upto` and free its chunks."""
+        _, _, chunks, lengths = self.ring.drain(upto)
+        if not chunks:
+            return []
+        records = self.pool.read_many(chunks, lengths)
+        self.pool.free_many(chunks, lengths)
+        return records
+
+    async def flush(self, upto: Sequence[int]) -> FlushResult | None:
+        """Write every queued mutation at or below `upto` to the store."""
+        records = self.take(upto)
+        if not records:
+            return None
+        result = await trio.to_thread.run_sync(self.writer.apply, records)
+        self._flushed += len(records)
+        self._flushes += 1
+        return result
+
+    def statistics(self) -> WorkerStatistics:
+        return WorkerStatistics(
+            worker=self.number,
+            queued=self.ring.queued,
+            enqueued=self._enqueued,
+            flushed=self._flushed,
+            flushes=self._flushes,
+            blocked=self.blocked,
+        )
