@@ -148,9 +148,13 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             snapshots.close()
         stats = timekeeper.statistics()
         log.info(
-            "stopped cleanly: %d mutations flushed, persisted seqno sum %d",
+            "stopped cleanly: %d mutations flushed (%d under memory pressure), persisted seqno "
+            "sum %d; %d stalls on full queues, %d memory throttle pauses",
             stats.mutations_flushed,
+            stats.memory_flushes,
             snapshots.persisted.total,
+            sum(w.statistics().stalls for w in workers),
+            throttle.statistics().pauses,
         )
 
 

@@ -177,11 +177,10 @@ class Connection:
                     ErrorCode.SEQNO_BACKWARDS, f"vbucket {vb}: seqno {seqno} after {last}"
                 )
             last = seqno
-        if last > end or seqnos[0] < reg.marker_start[vb]:
+        if last > end:  # seqnos below the marker's start were refused as backwards
             raise ProtocolError(
                 ErrorCode.OUT_OF_SNAPSHOT,
-                f"vbucket {vb}: seqnos {seqnos[0]}-{last} outside the snapshot "
-                f"{reg.marker_start[vb]}-{end}",
+                f"vbucket {vb}: seqno {last} after the snapshot {reg.marker_start[vb]}-{end}",
             )
         reg.last_in_stream[vb] = last
         received = reg.received[vb]
@@ -294,8 +293,6 @@ class Reader:
                             accepted.append(item)
                         if was_new and conn.handshake is not None:
                             await self._reply(stream, conn, send_lock, nursery, peer)
-                    if decoder.buffered < 6:
-                        break
             finally:
                 # Frames before a bad one are valid: hand them on before the error goes out.
                 if accepted:

@@ -9,6 +9,8 @@ or below `upto` and writes it to LevelDB in a worker thread.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +23,9 @@ from workers.flush import FlushResult, IndexWriter
 
 StreamItem = StreamBegin | SnapshotMarker | MutationBatch
 
+log = logging.getLogger("indexer.worker")
+STALL_LOG_INTERVAL_S = 10.0
+
 
 @dataclass(frozen=True)
 class WorkerStatistics:
@@ -29,6 +34,7 @@ class WorkerStatistics:
     enqueued: int
     flushed: int
     flushes: int
+    stalls: int
     blocked: bool
 
 
@@ -52,6 +58,16 @@ class Worker:
         self._enqueued = 0
         self._flushed = 0
         self._flushes = 0
+        self._stalls = 0
+        self._last_stall_log = -STALL_LOG_INTERVAL_S
+
+    def _stalled(self, what: str) -> None:
+        self.blocked = True
+        self._stalls += 1
+        now = time.monotonic()
+        if now - self._last_stall_log >= STALL_LOG_INTERVAL_S:
+            self._last_stall_log = now
+            log.info("%s: worker %d waits, reads stall until a flush frees room", what, self.number)
 
     async def run(self, items: trio.MemoryReceiveChannel[list[StreamItem]]) -> None:
         """Take items until the channel closes (the dispatcher has drained)."""
@@ -71,11 +87,11 @@ class Worker:
         lengths = batch.lengths
         ring = self.ring
         if ring.free_slots() < n:
-            self.blocked = True
+            self._stalled("queue ring full")
             await ring.wait_for_space(n)
         chunks = self.pool.try_alloc_many(lengths)
         if chunks is None:
-            self.blocked = True
+            self._stalled("slab pool full")
             chunks = await self.pool.alloc_many(lengths)
         self.blocked = False
         view = memoryview(batch.payload)
@@ -112,5 +128,6 @@ class Worker:
             enqueued=self._enqueued,
             flushed=self._flushed,
             flushes=self._flushes,
+            stalls=self._stalls,
             blocked=self.blocked,
         )

@@ -175,15 +175,39 @@ async def feed(
     async with stream:
         peer = _Peer(stream)
         try:
-            return await _run(
-                stream, peer, documents, wait_persisted, router_name, progress, num_vbuckets
-            )
+            try:
+                return await _run(
+                    stream, peer, documents, wait_persisted, router_name, progress, num_vbuckets
+                )
+            except BaseExceptionGroup as group:
+                raise _leaf(group) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as exc:
             # The indexer may have sent an error frame just before closing: prefer its reason.
             with trio.move_on_after(1):
-                while True:
-                    peer._handle(await peer.next_message())
+                try:
+                    while True:
+                        peer._handle(await peer.next_message())
+                except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+                    pass
             raise FeedError(f"lost the connection to the indexer: {exc}") from None
+
+
+def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The exception that matters in a nursery's group: a FeedError first, then any other."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for leaf in leaves:
+        if isinstance(leaf, FeedError):
+            return leaf
+    return leaves[0] if leaves else group
 
 
 async def _run(

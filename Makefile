@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench check-python check-java clean
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory check-python
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+check-python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "error: Python 3.11 or newer is needed as '$(PYTHON)' (set PYTHON=/path/to/python3.11)" >&2; \
+	  exit 1; }
+
+check-java:
+	@command -v java >/dev/null 2>&1 || { \
+	  echo "error: Java 17 or newer is needed for the Spark jobs and was not found on PATH" >&2; \
+	  echo "       install a JDK (for example: apt-get install openjdk-17-jre-headless)" >&2; \
+	  exit 1; }
+
+demo: $(STAMP) check-java
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP) check-java lint
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/ingest.py
+
+clean:
+	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache .hypothesis

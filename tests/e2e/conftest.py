@@ -1,0 +1,190 @@
+"""Real processes on 127.0.0.1: the daemon and the router feed as subprocesses."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from indexer.keys import MISSING, collate, field_value
+from indexer.router.documents import Document
+
+pytestmark = pytest.mark.e2e
+
+INDEXES = {"by_city": ["address.city", "age"], "by_age": ["age"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def indexer_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "indexer", *args]
+
+
+def write_config(path: Path, data_dir: Path, port: int, **sections: dict[str, Any]) -> Path:
+    """A TOML config: the two test indexes plus any overridden sections."""
+    lines = [
+        "[server]",
+        f'data_dir = "{data_dir}"',
+        f"feed_port = {port}",
+        'log_level = "info"',
+    ]
+    for key, value in sections.pop("server", {}).items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    for name, table in sections.items():
+        lines.append(f"[{name}]")
+        lines.extend(f"{k} = {json.dumps(v)}" for k, v in table.items())
+    for name, keys in INDEXES.items():
+        lines += [f"[indexes.{name}]", f"keys = {json.dumps(keys)}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Daemon:
+    """`indexer serve` in a subprocess, its log in a file."""
+
+    def __init__(self, config: Path, log: Path, port: int) -> None:
+        self.config = config
+        self.log_path = log
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> Daemon:
+        mark = self.log().count("listening for router feeds")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                indexer_command("serve", "--config", str(self.config)), stderr=log
+            )
+        deadline = time.monotonic() + timeout
+        while self.log().count("listening for router feeds") <= mark:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited at start:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"daemon did not listen in time:\n{self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=timeout)
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Any]:
+    started: list[Daemon] = []
+
+    def make(**sections: dict[str, Any]) -> Daemon:
+        port = free_port()
+        data = tmp_path / f"data{len(started)}"
+        config = write_config(tmp_path / f"indexer{len(started)}.toml", data, port, **sections)
+        daemon = Daemon(config, tmp_path / f"daemon{len(started)}.log", port)
+        started.append(daemon)
+        return daemon
+
+    yield make
+    for daemon in started:
+        if daemon.running:
+            daemon.kill()
+
+
+def run_feed(
+    daemon: Daemon, jsonl: Path, *extra: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        indexer_command("feed", "--to", daemon.address, "--jsonl", str(jsonl), *extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def dump(daemon: Daemon, name: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        indexer_command("dump", name, "--config", str(daemon.config)),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def write_jsonl(path: Path, documents: list[Document]) -> Path:
+    with open(path, "w") as f:
+        for d in documents:
+            item = (
+                {"id": d.docid, "deleted": True}
+                if d.body is None
+                else {"id": d.docid, "doc": d.body}
+            )
+            f.write(json.dumps(item) + "\n")
+    return path
+
+
+def model(documents: list[Document], paths: list[str]) -> list[dict[str, Any]]:
+    """The index an uninterrupted run must give, computed without the key encoding."""
+    latest: dict[str, dict[str, Any] | None] = {}
+    for d in documents:
+        latest[d.docid] = d.body
+    rows = []
+    for docid, body in latest.items():
+        if body is None:
+            continue
+        values = [field_value(body, path) for path in paths]
+        if values[0] is MISSING:
+            continue
+        rows.append((values, docid))
+
+    def order(a: tuple[list[Any], str], b: tuple[list[Any], str]) -> int:
+        for x, y in zip(a[0], b[0], strict=True):
+            c = collate(x, y)
+            if c:
+                return c
+        ka, kb = a[1].encode(), b[1].encode()
+        return (ka > kb) - (ka < kb)
+
+    rows.sort(key=functools.cmp_to_key(order))
+    out = []
+    for values, docid in rows:
+        entry: dict[str, Any] = {"key": [None if v is MISSING else v for v in values], "id": docid}
+        missing = [i for i, v in enumerate(values) if v is MISSING]
+        if missing:
+            entry["missing"] = missing
+        out.append(entry)
+    return out

@@ -1,0 +1,136 @@
+"""The stream rules of a connection, driven without sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from indexer import protocol as p
+from indexer.protocol import ErrorCode, ProtocolError
+from indexer.reader import Connection, StreamRegistry
+
+N = 16
+
+
+def mutations(vb: int, seqnos: list[int], nkeys: int = 1) -> p.MutationBatch:
+    records = [p.encode_record(p.Mutation(s, b"d%d" % s, (b"\x02",) * nkeys)) for s in seqnos]
+    decoder = p.FrameDecoder()
+    decoder.feed(p.encode_mutations(vb, nkeys, records))
+    [batch] = decoder.messages()
+    assert isinstance(batch, p.MutationBatch)
+    return batch
+
+
+def connection(
+    registry: StreamRegistry | None = None, conn_id: int = 1, owned: range = range(8)
+) -> Connection:
+    registry = registry or StreamRegistry(list(owned), [0] * N)
+    conn = Connection(conn_id, registry, nkeys=1)
+    assert conn.accept(p.Handshake("r", N, tuple(range(N)))) is None
+    return conn
+
+
+def refused(conn: Connection, message: p.Message) -> ErrorCode:
+    with pytest.raises(ProtocolError) as info:
+        conn.accept(message)
+    return info.value.code
+
+
+def test_handshake_comes_first_and_once() -> None:
+    conn = Connection(1, StreamRegistry(range(N), [0] * N), nkeys=1)
+    assert refused(conn, p.StreamBegin(0, 1)) is ErrorCode.BAD_HANDSHAKE
+    conn = connection()
+    assert refused(conn, p.Handshake("r", N, ())) is ErrorCode.BAD_HANDSHAKE
+
+
+def test_handshake_with_another_vbucket_count_is_refused() -> None:
+    conn = Connection(1, StreamRegistry(range(N), [0] * N), nkeys=1)
+    assert refused(conn, p.Handshake("r", 1024, ())) is ErrorCode.BAD_HANDSHAKE
+
+
+def test_a_stream_in_order_is_accepted() -> None:
+    conn = connection()
+    assert conn.accept(p.StreamBegin(3, 99)) == p.StreamBegin(3, 99)
+    assert conn.accept(p.SnapshotMarker(3, 1, 3)) == p.SnapshotMarker(3, 1, 3)
+    batch = mutations(3, [1, 2, 3])
+    assert conn.accept(batch) is batch
+    assert conn.registry.received[3] == 3
+
+
+def test_unowned_vbucket_is_not_my_slice() -> None:
+    conn = connection(owned=range(8))
+    assert refused(conn, p.StreamBegin(12, 1)) is ErrorCode.NOT_MY_SLICE
+    assert refused(conn, mutations(12, [1])) is ErrorCode.NOT_MY_SLICE
+
+
+def test_mutation_without_stream_begin_or_marker() -> None:
+    conn = connection()
+    assert refused(conn, mutations(2, [1])) is ErrorCode.STREAM_NOT_BEGUN
+    conn.accept(p.StreamBegin(2, 1))
+    assert refused(conn, mutations(2, [1])) is ErrorCode.OUT_OF_SNAPSHOT
+
+
+def test_seqno_backwards_within_a_frame_and_across_frames() -> None:
+    conn = connection()
+    conn.accept(p.StreamBegin(1, 1))
+    conn.accept(p.SnapshotMarker(1, 1, 10))
+    assert refused(conn, mutations(1, [1, 3, 2])) is ErrorCode.SEQNO_BACKWARDS
+    # Nothing of the refused frame was recorded: 1..3 are still acceptable.
+    assert conn.registry.received[1] == 0
+    conn.accept(mutations(1, [1, 3]))
+    assert refused(conn, mutations(1, [3])) is ErrorCode.SEQNO_BACKWARDS
+    assert refused(conn, p.SnapshotMarker(1, 2, 20)) is ErrorCode.SEQNO_BACKWARDS
+
+
+def test_mutations_outside_the_marker() -> None:
+    conn = connection()
+    conn.accept(p.StreamBegin(1, 1))
+    conn.accept(p.SnapshotMarker(1, 5, 6))
+    assert refused(conn, mutations(1, [5, 6, 7])) is ErrorCode.OUT_OF_SNAPSHOT
+    # The marker moved the stream to 5: an earlier seqno goes backwards.
+    assert refused(conn, mutations(1, [4])) is ErrorCode.SEQNO_BACKWARDS
+
+
+def test_key_count_must_match_the_indexes() -> None:
+    conn = connection()
+    conn.accept(p.StreamBegin(1, 1))
+    conn.accept(p.SnapshotMarker(1, 1, 1))
+    assert refused(conn, mutations(1, [1], nkeys=2)) is ErrorCode.BAD_MUTATION
+
+
+def test_one_connection_per_vbucket_until_released() -> None:
+    registry = StreamRegistry(range(N), [0] * N)
+    first = connection(registry, 1)
+    second = connection(registry, 2)
+    first.accept(p.StreamBegin(4, 1))
+    assert refused(second, p.StreamBegin(4, 1)) is ErrorCode.STREAM_EXISTS
+    first.release()
+    assert second.accept(p.StreamBegin(4, 1)) == p.StreamBegin(4, 1)
+
+
+def test_resent_mutations_at_or_below_what_was_received_are_skipped() -> None:
+    registry = StreamRegistry(range(N), [0] * N)
+    first = connection(registry, 1)
+    first.accept(p.StreamBegin(6, 1))
+    first.accept(p.SnapshotMarker(6, 1, 4))
+    first.accept(mutations(6, [1, 2, 3, 4]))
+    first.release()
+    # A reconnecting router resends from its restart point (here 2): only 5 and 6 are new.
+    again = connection(registry, 2)
+    again.accept(p.StreamBegin(6, 1))
+    assert again.accept(p.SnapshotMarker(6, 3, 4)) is None  # wholly received already
+    assert again.accept(mutations(6, [3, 4])) is None
+    again.accept(p.SnapshotMarker(6, 5, 6))
+    kept = again.accept(mutations(6, [5, 6]))
+    assert isinstance(kept, p.MutationBatch) and kept.seqnos == [5, 6]
+    assert registry.duplicates == 2
+
+
+def test_partially_resent_batch_keeps_only_new_records() -> None:
+    registry = StreamRegistry(range(N), [3] * N)  # persisted up to 3 everywhere
+    conn = connection(registry)
+    conn.accept(p.StreamBegin(0, 1))
+    conn.accept(p.SnapshotMarker(0, 2, 5))
+    kept = conn.accept(mutations(0, [2, 3, 4, 5]))
+    assert isinstance(kept, p.MutationBatch)
+    assert kept.seqnos == [4, 5]
+    assert [m.seqno for m in kept.mutations()] == [4, 5]
