@@ -297,6 +297,8 @@ def _decode_batch(payload: bytes) -> MutationBatch:
         length, seqno, op, dlen = unpack_header(payload, pos)
         start = pos + 4
         stop = start + length
+        if dlen == 0:
+            raise ProtocolError(ErrorCode.BAD_MUTATION, f"MUTATIONS record {i} has an empty docid")
         if length < min_len + dlen or stop > end:
             raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} has a bad length")
         kpos = start + fixed + dlen

@@ -120,11 +120,11 @@ class Connection:
                 raise ProtocolError(
                     ErrorCode.PROTOCOL, f"vbucket {vb}: marker start {message.start} > end"
                 )
-            if message.start <= reg.last_in_stream[vb]:
+            after = max(reg.last_in_stream[vb], reg.marker_end[vb])
+            if message.start <= after:
                 raise ProtocolError(
                     ErrorCode.SEQNO_BACKWARDS,
-                    f"vbucket {vb}: marker starts at {message.start}, "
-                    f"not after {reg.last_in_stream[vb]}",
+                    f"vbucket {vb}: marker starts at {message.start}, not after {after}",
                 )
             reg.marker_start[vb] = message.start
             reg.marker_end[vb] = message.end
@@ -237,6 +237,17 @@ class Reader:
         reg.connections += 1
         reg.connections_total += 1
         send_lock = trio.Lock()
+
+        async def refuse(code: ErrorCode, message: str) -> None:
+            # Best effort: the router may already be gone, and that must not matter here.
+            with trio.move_on_after(2) as scope:
+                scope.shield = True
+                try:
+                    async with send_lock:
+                        await stream.send_all(p.encode(p.Error(code, message)))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+
         try:
             async with self.items.clone() as items, trio.open_nursery() as nursery:
                 try:
@@ -244,11 +255,16 @@ class Reader:
                 except ProtocolError as exc:
                     reg.errors += 1
                     log.warning("router %s refused: %s (%s)", peer, exc.message, exc.code.name)
-                    with trio.move_on_after(2):
-                        async with send_lock:
-                            await stream.send_all(p.encode(p.Error(exc.code, exc.message)))
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    await refuse(exc.code, exc.message)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     log.info("router %s disconnected: %s", peer, exc)
+                except trio.Cancelled:
+                    await refuse(ErrorCode.SHUTTING_DOWN, "the indexer is shutting down")
+                    raise
+                except Exception as exc:
+                    # A bug must cost this connection only, never the daemon or other routers.
+                    log.exception("router %s: internal error", peer)
+                    await refuse(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
                 nursery.cancel_scope.cancel()
         finally:
             conn.release()

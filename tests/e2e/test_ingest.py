@@ -168,6 +168,11 @@ def test_bad_frames_get_error_frames_and_other_connections_go_on(
         answers = frame_exchange(daemon, frames)
         errors = [m for m in answers if isinstance(m, p.Error)]
         assert [e.code for e in errors] == [code], name
+    for _ in range(5):  # a router that sends a bad frame and resets at once
+        sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
+        sock.sendall(p.encode(p.Handshake("rst", 1024, ())) + struct.pack(">IBB", 2, 1, 77))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
     truncated = p.encode(p.StreamBegin(2, 1))[:-4]
     answers = frame_exchange(daemon, truncated, half_close=True)
     assert [m.code for m in answers if isinstance(m, p.Error)] == [p.ErrorCode.PROTOCOL]
@@ -177,7 +182,8 @@ def test_bad_frames_get_error_frames_and_other_connections_go_on(
     assert daemon.stop() == 0
     # Nothing from the refused frames reached the index: only the fed documents are there.
     assert_indexes_match(daemon, owned)
-    assert daemon.log().count("refused:") == len(BAD_FRAMES) + 1
+    # Reset connections are refused or seen as disconnected, depending on timing.
+    assert daemon.log().count("refused:") >= len(BAD_FRAMES) + 1
 
 
 def test_feed_to_an_unowned_vbucket_exits_with_one_line(

@@ -169,3 +169,9 @@ def test_mutation_batches_round_trip(items: list[tuple[bytes, list[bytes], bool]
     [decoded] = decode_all(batch(9, mutations, nkeys=3))
     assert isinstance(decoded, p.MutationBatch)
     assert decoded.mutations() == mutations
+
+
+def test_empty_docid_is_refused() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_all(batch(3, [p.Mutation(1, b"", (b"", b""))]))
+    assert info.value.code is ErrorCode.BAD_MUTATION

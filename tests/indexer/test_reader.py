@@ -134,3 +134,12 @@ def test_partially_resent_batch_keeps_only_new_records() -> None:
     assert isinstance(kept, p.MutationBatch)
     assert kept.seqnos == [4, 5]
     assert [m.seqno for m in kept.mutations()] == [4, 5]
+
+
+def test_markers_do_not_overlap() -> None:
+    conn = connection()
+    conn.accept(p.StreamBegin(1, 1))
+    conn.accept(p.SnapshotMarker(1, 5, 10))
+    conn.accept(mutations(1, [5, 6]))
+    assert refused(conn, p.SnapshotMarker(1, 7, 12)) is ErrorCode.SEQNO_BACKWARDS
+    assert conn.accept(p.SnapshotMarker(1, 11, 12)) == p.SnapshotMarker(1, 11, 12)

@@ -1,4 +1,4 @@
-"""The flush against a real LevelDB directory: main and back index as the slice writer keeps them."""
+"""The flush on a real LevelDB directory: main and back index as the slice writer keeps them."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_a_reopened_store_and_a_partial_cache_give_the_same_result(tmp_path: Pat
         w.apply([record(2, f"d{i}", f"c{(i + 1) % 7}", i) for i in range(0, 50, 2)])
         w.apply([record(3, f"d{i}", deleted=True) for i in range(1, 50, 2)])
         by_city, by_age = s.ensure_indexes(DEFS)
-        want = sorted(((f"c{(i + 1) % 7}", f"d{i}") for i in range(0, 50, 2)))
+        want = sorted((f"c{(i + 1) % 7}", f"d{i}") for i in range(0, 50, 2))
         assert [(v[0], d) for v, d in entries(s, by_city)] == want
         assert len(entries(s, by_age)) == 25
         assert len(back(s, by_city)) == 25
