@@ -1,0 +1,59 @@
+"""Configuration: the embedded default, overrides, and one-line errors naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from indexer.config import ConfigError, parse_config
+
+
+def test_embedded_default_is_valid_and_documented() -> None:
+    config = parse_config()
+    assert config.server.feed_port == 9105 and config.server.http_port == 9102
+    assert config.server.host == "127.0.0.1"
+    assert len(config.server.owned_vbuckets) == config.server.num_vbuckets == 1024
+    assert [i.name for i in config.indexes] == ["by_city", "by_age"]
+    from config import default_config_text
+
+    lines = default_config_text().splitlines()
+    for i, line in enumerate(lines):
+        if "=" in line and not line.startswith("#") and not line.startswith("keys"):
+            assert lines[i - 1].startswith("#"), f"undocumented key: {line}"
+
+
+def test_override_keeps_other_defaults_and_replaces_indexes() -> None:
+    config = parse_config('[server]\nfeed_port = 1234\n[indexes.by_zip]\nkeys = ["address.zip"]\n')
+    assert config.server.feed_port == 1234
+    assert config.server.http_port == 9102
+    assert [i.name for i in config.indexes] == ["by_zip"]
+
+
+def test_sizes_and_vbucket_ranges() -> None:
+    config = parse_config(
+        '[server]\nowned_vbuckets = ["0-3", 9]\nnum_vbuckets = 16\n[slab]\npool = "8MiB"\n'
+    )
+    assert config.server.owned_vbuckets == (0, 1, 2, 3, 9)
+    assert config.slab.pool_bytes == 8 << 20
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("[server]\nport = 1\n", "server.port"),
+        ("[server]\nfeed_port = 70000\n", "server.feed_port"),
+        ('[server]\nowned_vbuckets = ["5-2000"]\n', "server.owned_vbuckets"),
+        ('[server]\nlog_level = "loud"\n', "server.log_level"),
+        ("[snapshots]\npersist_interval_ms = true\n", "snapshots.persist_interval_ms"),
+        ("[slab]\npool = 1000\n", "slab.pool"),
+        ("[indexes.x]\nkeys = []\n", "indexes.x.keys"),
+        ('[indexes."../etc"]\nkeys = ["a"]\n', "indexes.../etc"),
+        ('[indexes.x]\nkeys = ["a"]\nwhere = 1\n', "indexes.x.where"),
+        ("server = 5\n", "server"),
+        ("not toml at all [", "not valid TOML"),
+    ],
+)
+def test_errors_name_the_key(text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text)
+    assert key in str(info.value)
+    assert "\n" not in str(info.value)

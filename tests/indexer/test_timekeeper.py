@@ -1,0 +1,117 @@
+"""Timekeeper alignment and snapshots, with real workers, slab pool and LevelDB store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+
+from indexer import protocol as p
+from indexer.keys import encode_key
+from indexer.snapshots import (
+    SnapshotFileError,
+    SnapshotStore,
+    StabilityTimestamp,
+    read_snapshot_file,
+    write_snapshot_file,
+)
+from indexer.storage import IndexStore
+from indexer.timekeeper import HighWaterTimestamp, Timekeeper
+from slab import MutationRing, SlabPool
+from workers.flush import BackIndexCache, IndexWriter
+from workers.worker import StreamItem, Worker
+
+N = 8
+DEFS = [p.IndexDefinition("by_n", ("n",))]
+
+
+def test_stability_timestamp_stops_at_the_last_complete_snapshot() -> None:
+    hwt = HighWaterTimestamp(StabilityTimestamp.zero(N))
+    hwt.record_marker(1, 1, 10)
+    hwt.record_mutations(1, 4)
+    assert hwt.stability_timestamp().seqnos[1] == 0  # half a snapshot is not stable
+    assert hwt.high_water().seqnos[1] == 4
+    hwt.record_mutations(1, 10)
+    assert hwt.stability_timestamp().seqnos[1] == 10
+    hwt.record_marker(1, 11, 20)
+    hwt.record_mutations(1, 15)
+    assert hwt.stability_timestamp().seqnos[1] == 10
+    # The source deduplicated 16-20: the next marker closes the snapshot at what arrived.
+    hwt.record_marker(1, 21, 30)
+    assert hwt.stability_timestamp().seqnos[1] == 15
+    assert hwt.stability_timestamp().seqnos[0] == 0
+
+
+def test_snapshot_file_round_trip_and_checksum(tmp_path: Path) -> None:
+    ts = StabilityTimestamp(tuple(range(N)), tuple(range(100, 100 + N)))
+    assert read_snapshot_file(tmp_path, N) is None
+    write_snapshot_file(tmp_path, ts)
+    found = read_snapshot_file(tmp_path, N)
+    assert found is not None and found[0] == ts
+    path = tmp_path / "snapshot.json"
+    body = json.loads(path.read_text())
+    body["seqnos"][3] = 999
+    path.write_text(json.dumps(body))
+    with pytest.raises(SnapshotFileError, match="checksum"):
+        read_snapshot_file(tmp_path, N)
+    with pytest.raises(SnapshotFileError, match="vbuckets"):
+        write_snapshot_file(tmp_path, ts)
+        read_snapshot_file(tmp_path, N + 1)
+
+
+def batch(vb: int, seqnos: list[int]) -> p.MutationBatch:
+    records = [
+        p.encode_record(p.Mutation(s, b"v%d-%d" % (vb, s), (encode_key([s]),))) for s in seqnos
+    ]
+    decoder = p.FrameDecoder()
+    decoder.feed(p.encode_mutations(vb, 1, records))
+    [message] = decoder.messages()
+    assert isinstance(message, p.MutationBatch)
+    return message
+
+
+async def test_cut_flushes_aligned_snapshots_and_persist_records_them(tmp_path: Path) -> None:
+    with IndexStore(tmp_path) as store:
+        indexes = store.ensure_indexes(DEFS)
+        cache = BackIndexCache(100, 1)
+        start = StabilityTimestamp.zero(N)
+        hwt = HighWaterTimestamp(start)
+        pool = SlabPool(1 << 20, 1 << 16)
+        workers = [
+            Worker(i, pool, MutationRing(64), hwt, IndexWriter(store, indexes, cache))
+            for i in range(2)
+        ]
+        snapshots = SnapshotStore(start)
+        keeper = Timekeeper(hwt, workers, store, snapshots, tmp_path, 0.01, 0.01, [0])
+        sends = []
+        async with trio.open_nursery() as nursery:
+            for w in workers:
+                send, receive = trio.open_memory_channel[list[StreamItem]](4)
+                sends.append(send)
+                nursery.start_soon(w.run, receive)
+            # vbucket 2 (worker 0): one complete snapshot; vbucket 3 (worker 1): half of one.
+            await sends[0].send(
+                [p.StreamBegin(2, 7), p.SnapshotMarker(2, 1, 3), batch(2, [1, 2, 3])]
+            )
+            await sends[1].send([p.StreamBegin(3, 9), p.SnapshotMarker(3, 1, 4), batch(3, [1, 2])])
+            await trio.testing.wait_all_tasks_blocked()
+            await keeper.cut()
+            assert snapshots.stable is not None
+            assert snapshots.stable.timestamp.seqnos[2:4] == (3, 0)
+            assert workers[1].statistics().queued == 2  # held back: its snapshot is open
+            await keeper.persist()
+            found = read_snapshot_file(tmp_path, N)
+            assert found is not None and found[0].seqnos[2:4] == (3, 0)
+            assert found[0].vbuuids[2] == 7
+            await sends[1].send([batch(3, [3, 4])])
+            await trio.testing.wait_all_tasks_blocked()
+            await keeper.cut()
+            assert snapshots.stable.timestamp.seqnos[2:4] == (3, 4)
+            assert keeper.statistics().entry_counts == (7,)
+            for s in sends:
+                await s.aclose()
+        keys = list(store.main_entries(indexes[0], snapshots.stable.store_snapshot))
+        assert len(keys) == 7
+        snapshots.close()
