@@ -180,7 +180,7 @@ class Timekeeper:
         lag = time.time() - stable.created_at
         self.snapshots.record_persisted(ts, lag)
         log.info(
-            "snapshot persisted: %d mutations covered, lag %.0f ms, sync %.0f ms",
+            "snapshot persisted: seqnos summing to %d, lag %.0f ms, sync %.0f ms",
             ts.total,
             lag * 1000,
             (time.time() - started) * 1000,
