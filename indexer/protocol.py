@@ -7,6 +7,7 @@ counts the version, type and payload bytes. See docs/protocol.md for the full la
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterable, Sequence
@@ -21,15 +22,27 @@ _HEADER = struct.Struct(">IBB")
 _VB_UUID = struct.Struct(">HQ")
 _MARKER = struct.Struct(">HQQ")
 _BATCH_HEADER = struct.Struct(">HIB")
-_RECORD_HEADER = struct.Struct(">IQBH")  # record length, seqno, op, docid length
-_RECORD_FIXED = struct.Struct(">QBH")  # the part of a record kept in the queue
-_KEY_LENGTH = struct.Struct(">I")
 _COUNT = struct.Struct(">I")
 _POSITION = struct.Struct(">HQQ")
 _ERROR = struct.Struct(">H")
 
 OP_UPSERT = 1
 OP_DELETE = 2
+MAX_KEYS = 255
+
+
+@functools.cache
+def record_layout(nkeys: int) -> struct.Struct:
+    """The fixed head of a record: length, seqno, op, docid length, one length per key.
+
+    A record is `head | docid | key 1 | ... | key n`, so one unpack gives every offset.
+    """
+    return struct.Struct(">IQBH" + "I" * nkeys)
+
+
+def queued_layout(nkeys: int) -> struct.Struct:
+    """A record as queued: the same head without the leading length."""
+    return struct.Struct(">QBH" + "I" * nkeys)
 
 
 class MessageType(IntEnum):
@@ -199,15 +212,13 @@ def _frame(mtype: MessageType, payload: bytes) -> bytes:
 
 def encode_record(mutation: Mutation) -> bytes:
     """One mutation record of a MUTATIONS frame, with its leading length field."""
+    layout = record_layout(len(mutation.keys))
     docid = mutation.docid
-    parts = [b"", docid]
-    for key in mutation.keys:
-        parts.append(_KEY_LENGTH.pack(len(key)))
-        parts.append(key)
-    body_len = _RECORD_FIXED.size + sum(len(p) for p in parts)
+    body = docid + b"".join(mutation.keys)
     op = OP_DELETE if mutation.deleted else OP_UPSERT
-    parts[0] = _RECORD_HEADER.pack(body_len, mutation.seqno, op, len(docid))
-    return b"".join(parts)
+    lengths = [len(k) for k in mutation.keys]
+    head = layout.pack(layout.size - 4 + len(body), mutation.seqno, op, len(docid), *lengths)
+    return head + body
 
 
 def encode_mutations(vbucket: int, nkeys: int, records: Sequence[bytes]) -> bytes:
@@ -230,7 +241,7 @@ def encode(message: Message) -> bytes:
     match message:
         case MutationBatch():
             records = [
-                _KEY_LENGTH.pack(n) + message.payload[s : s + n]
+                _COUNT.pack(n) + message.payload[s : s + n]
                 for s, n in zip(message.starts, message.lengths, strict=True)
             ]
             return encode_mutations(message.vbucket, message.nkeys, records)
@@ -265,14 +276,13 @@ def encode(message: Message) -> bytes:
 
 def parse_record(record: bytes, nkeys: int) -> Mutation:
     """A queued record (without its length field) back into a Mutation."""
-    seqno, op, dlen = _RECORD_FIXED.unpack_from(record, 0)
-    pos = _RECORD_FIXED.size
+    layout = queued_layout(nkeys)
+    seqno, op, dlen, *lengths = layout.unpack_from(record, 0)
+    pos = layout.size
     docid = record[pos : pos + dlen]
     pos += dlen
     keys = []
-    for _ in range(nkeys):
-        (klen,) = _KEY_LENGTH.unpack_from(record, pos)
-        pos += 4
+    for klen in lengths:
         keys.append(record[pos : pos + klen])
         pos += klen
     return Mutation(seqno, docid, tuple(keys), op == OP_DELETE)
@@ -282,37 +292,31 @@ def _decode_batch(payload: bytes) -> MutationBatch:
     if len(payload) < _BATCH_HEADER.size:
         raise ProtocolError(ErrorCode.PROTOCOL, "MUTATIONS frame shorter than its header")
     vbucket, count, nkeys = _BATCH_HEADER.unpack_from(payload, 0)
+    layout = record_layout(nkeys)
+    head = layout.size
+    fixed = head - 4  # what a record's length counts besides docid and keys
+    unpack = layout.unpack_from
     seqnos: list[int] = []
     starts: list[int] = []
     lengths: list[int] = []
     pos = _BATCH_HEADER.size
     end = len(payload)
-    fixed = _RECORD_FIXED.size
-    min_len = fixed + 4 * nkeys
-    unpack_header = _RECORD_HEADER.unpack_from
-    unpack_key = _KEY_LENGTH.unpack_from
     for i in range(count):
-        if pos + _RECORD_HEADER.size > end:
+        if pos + head > end:
             raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} truncated")
-        length, seqno, op, dlen = unpack_header(payload, pos)
-        start = pos + 4
-        stop = start + length
+        length, seqno, op, dlen, *klens = unpack(payload, pos)
+        stop = pos + 4 + length
+        if length != fixed + dlen + sum(klens) or stop > end:
+            raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} has a bad length")
+        if op != OP_UPSERT:
+            if op != OP_DELETE:
+                raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} has unknown op {op}")
+            if any(klens):
+                raise ProtocolError(ErrorCode.BAD_MUTATION, f"delete record {i} carries a key")
         if dlen == 0:
             raise ProtocolError(ErrorCode.BAD_MUTATION, f"MUTATIONS record {i} has an empty docid")
-        if length < min_len + dlen or stop > end:
-            raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} has a bad length")
-        kpos = start + fixed + dlen
-        for _ in range(nkeys):
-            (klen,) = unpack_key(payload, kpos)
-            if klen and op == OP_DELETE:
-                raise ProtocolError(ErrorCode.BAD_MUTATION, f"delete record {i} carries a key")
-            kpos += 4 + klen
-        if kpos != stop:
-            raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} keys overrun it")
-        if op != OP_UPSERT and op != OP_DELETE:
-            raise ProtocolError(ErrorCode.PROTOCOL, f"MUTATIONS record {i} has unknown op {op}")
         seqnos.append(seqno)
-        starts.append(start)
+        starts.append(pos + 4)
         lengths.append(length)
         pos = stop
     if pos != end:

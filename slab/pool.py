@@ -378,6 +378,27 @@ class SlabPool:
                 raise ValueError(f"{n} bytes do not fit the chunk at {off}")
             view[off : off + n] = d
 
+    def copy_in(
+        self,
+        chunks: Sequence[int],
+        source: bytes,
+        starts: Sequence[int],
+        lengths: Sequence[int],
+    ) -> None:
+        """Copy records found at ``source[starts[i]:starts[i]+lengths[i]]`` into ``chunks[i]``.
+
+        The chunks must come from one allocation of these lengths, so each record fits.
+        """
+        view = self._view
+        src = memoryview(source)
+        for off, start, n in zip(chunks, starts, lengths, strict=True):
+            view[off : off + n] = src[start : start + n]
+
+    @property
+    def records(self) -> memoryview:
+        """The whole arena, to read allocated chunks in place (never write through it)."""
+        return self._view
+
     def read(self, chunk: int, length: int) -> bytes:
         """Copy ``length`` bytes out of the chunk at offset ``chunk``."""
         return self._view[chunk : chunk + length].tobytes()

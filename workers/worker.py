@@ -4,7 +4,7 @@ Each worker owns the vbuckets v with v % workers == its number. Its intake task 
 stream items from its channel in arrival order: a marker or a stream begin updates the vbucket's
 high-water timestamp, a mutation batch is copied into the slab pool and pushed onto the ring and
 then raises the HWT. The timekeeper later calls `flush(upto)`, which drains every queued entry at
-or below `upto` and writes it to LevelDB in a worker thread.
+or below `upto`, builds the WriteBatch straight from the slab and writes it in a thread.
 """
 
 from __future__ import annotations
@@ -94,30 +94,20 @@ class Worker:
             self._stalled("slab pool full")
             chunks = await self.pool.alloc_many(lengths)
         self.blocked = False
-        view = memoryview(batch.payload)
-        self.pool.write_many(
-            chunks, [view[s : s + k] for s, k in zip(batch.starts, lengths, strict=True)]
-        )
+        self.pool.copy_in(chunks, batch.payload, batch.starts, lengths)
         ring.push_many(batch.vbucket, batch.seqnos, chunks, lengths)
         self.hwt.record_mutations(batch.vbucket, batch.seqnos[-1])
         self._enqueued += n
 
-    def take(self, upto: Sequence[int]) -> list[bytes]:
-        """Drain every queued record at or below `upto` and free its chunks."""
+    async def flush(self, upto: Sequence[int]) -> FlushResult | None:
+        """Write every queued mutation at or below `upto` to the store, then free its chunks."""
         _, _, chunks, lengths = self.ring.drain(upto)
         if not chunks:
-            return []
-        records = self.pool.read_many(chunks, lengths)
-        self.pool.free_many(chunks, lengths)
-        return records
-
-    async def flush(self, upto: Sequence[int]) -> FlushResult | None:
-        """Write every queued mutation at or below `upto` to the store."""
-        records = self.take(upto)
-        if not records:
             return None
-        result = await trio.to_thread.run_sync(self.writer.apply, records)
-        self._flushed += len(records)
+        batch, result = self.writer.prepare(self.pool.records, chunks)
+        await trio.to_thread.run_sync(batch.write)
+        self.pool.free_many(chunks, lengths)
+        self._flushed += len(chunks)
         self._flushes += 1
         return result
 
