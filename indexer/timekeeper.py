@@ -123,9 +123,11 @@ class Timekeeper:
         while not self._stopping.is_set():
             with trio.move_on_after(self.in_memory_interval_s):
                 await self._stopping.wait()
-            await self.cut()
-            if trio.current_time() - last_persist >= self.persist_interval_s:
-                await self.persist()
+            moved = await self.cut()
+            # Persist on the interval, and at once when intake went quiet: a router that has
+            # sent its last mutation should not wait a whole interval for its ack.
+            due = trio.current_time() - last_persist >= self.persist_interval_s
+            if (not moved or due) and await self.persist():
                 last_persist = trio.current_time()
         await self.cut()
         await self.persist()
@@ -133,8 +135,11 @@ class Timekeeper:
         # dropped; the persisted timestamp stays aligned and routers resend from it.
         await self._flush_all(self.hwt.high_water().seqnos)
 
-    async def cut(self) -> None:
-        """Flush up to a new stability timestamp and publish it, or relieve memory pressure."""
+    async def cut(self) -> bool:
+        """Flush up to a new stability timestamp and publish it, or relieve memory pressure.
+
+        Returns whether the stability timestamp moved.
+        """
         ts = self.hwt.stability_timestamp()
         if ts.seqnos != self._stable.seqnos:
             await self._flush_all(ts.seqnos)
@@ -143,12 +148,14 @@ class Timekeeper:
             if all(h <= s for h, s in zip(self._store_high, ts.seqnos, strict=True)):
                 snap = StabilitySnapshot(ts, self.store.snapshot(), time.time())
                 self.snapshots.publish(snap)
-        elif any(w.blocked for w in self.workers):
+            return True
+        if any(w.blocked for w in self.workers):
             # The queues are full of snapshots not yet complete: write them without publishing.
             high = self.hwt.high_water().seqnos
             await self._flush_all(high)
             self._store_high = [max(a, b) for a, b in zip(self._store_high, high, strict=True)]
             self._memory_flushes += 1
+        return False
 
     async def _flush_all(self, upto: Sequence[int]) -> None:
         results = []
@@ -168,11 +175,14 @@ class Timekeeper:
             for j, d in enumerate(r.entry_deltas):
                 self.entry_counts[j] += d
 
-    async def persist(self) -> None:
-        """Sync the store and record the latest readable timestamp in the snapshot file."""
+    async def persist(self) -> bool:
+        """Sync the store and record the latest readable timestamp in the snapshot file.
+
+        Returns whether there was anything new to persist.
+        """
         stable = self.snapshots.stable
         if stable is None or stable.timestamp == self.snapshots.persisted:
-            return
+            return False
         ts = stable.timestamp
         started = time.time()
         await trio.to_thread.run_sync(self.store.sync)
@@ -185,6 +195,7 @@ class Timekeeper:
             lag * 1000,
             (time.time() - started) * 1000,
         )
+        return True
 
     def statistics(self) -> TimekeeperStatistics:
         return TimekeeperStatistics(

@@ -103,10 +103,11 @@ class IndexWriter:
         layout = self.layout
         unpack = layout.unpack_from
         head = layout.size
-        # docid -> offset of its last record; a document's records arrive in seqno order.
-        latest: dict[bytes, int] = {}
+        # docid -> (offset, head) of its last record; a document's records come in seqno order.
+        latest: dict[bytes, tuple[int, tuple[int, ...]]] = {}
         for c in chunks:
-            latest[records[c + head : c + head + unpack(records, c)[2]].tobytes()] = c
+            fields = unpack(records, c)
+            latest[records[c + head : c + head + fields[2]].tobytes()] = (c, fields)
         cache = self.cache
         entries = cache.entries
         empty: Keys = (b"",) * self.nindexes
@@ -121,14 +122,13 @@ class IndexWriter:
         batch = self.store.write_batch()
         put = batch.put
         delete = batch.delete
-        for docid, c in latest.items():
-            _, op, dlen, *klens = unpack(records, c)
-            if op == OP_DELETE:
+        for docid, (c, fields) in latest.items():
+            if fields[1] == OP_DELETE:
                 new = empty
             else:
-                pos = c + head + dlen
+                pos = c + head + fields[2]
                 keys = []
-                for klen in klens:
+                for klen in fields[3:]:
                     keys.append(records[pos : pos + klen].tobytes())
                     pos += klen
                 new = tuple(keys)
