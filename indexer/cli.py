@@ -136,8 +136,11 @@ def feed(
                 num_vbuckets=vbuckets,
             )
 
+        from indexer.daemon import bulk_gc
+
         try:
-            result = trio.run(run)
+            with bulk_gc():  # the feed allocates per document too
+                result = trio.run(run)
         except (FeedError, DocumentError) as exc:
             fail(str(exc))
         except OSError as exc:

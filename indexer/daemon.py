@@ -10,10 +10,12 @@ stable snapshot, and returns.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import trio
@@ -44,6 +46,27 @@ class Listening:
     feed_port: int
 
 
+# Every mutation allocates a few short-lived tuples and bytes. At CPython's default first
+# threshold (700) the cycle collector runs every few hundred mutations and, in its older
+# generations, walks the whole back-index cache: measured at 40% of the pipeline's Python time.
+# Nothing on the hot path makes reference cycles, so collect far less often.
+GC_THRESHOLDS = (100_000, 50, 1000)
+
+
+@contextlib.contextmanager
+def bulk_gc() -> Iterator[None]:
+    """Collect cycles rarely while inside, and freeze what exists on entry out of their reach."""
+    old = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
 def recover(config: Config) -> StabilityTimestamp:
     """The restart timestamp: the last persisted snapshot, or zero."""
     n = config.server.num_vbuckets
@@ -69,7 +92,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
     """Run the daemon until SIGINT or SIGTERM, then drain and persist."""
     server = config.server
     server.data_dir.mkdir(parents=True, exist_ok=True)
-    with IndexStore(server.data_dir) as store:
+    with IndexStore(server.data_dir) as store, bulk_gc():
         indexes = store.ensure_indexes(config.indexes)
         restart = recover(config)
         cache = BackIndexCache(config.pipeline.back_index_cache, len(indexes))
@@ -86,6 +109,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             time.monotonic() - started,
             "complete" if cache.complete else "partial: misses are read from the store",
         )
+        gc.freeze()  # the loaded cache lives as long as the daemon: out of the collector's reach
         snapshots = SnapshotStore(restart)
         hwt = HighWaterTimestamp(restart)
         pool = SlabPool(config.slab.pool_bytes, config.slab.slab_bytes, config.slab.min_chunk)
