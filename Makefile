@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory check-python
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,spark]'
 	touch $(STAMP)
 
 check-python:

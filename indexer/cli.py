@@ -80,14 +80,22 @@ def _address(value: str) -> tuple[str, int]:
 
 @main.command()
 @click.option("--to", "address", required=True, help="The indexer's feed address, HOST:PORT.")
-@click.option("--jsonl", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.')
+@click.option(
+    "--jsonl",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.',
+)
 @click.option("--generate", type=click.IntRange(1), help="Generate this many mutations.")
 @click.option("--keys", type=click.IntRange(1), help="Key space of --generate (default N/5).")
 @click.option("--delete-ratio", type=click.FloatRange(0, 1), default=0.1, show_default=True)
 @click.option("--seed", type=int, default=42, show_default=True)
-@click.option("--wait", type=click.Choice(["persisted", "none"]), default="persisted",
-              show_default=True, help="Exit once everything sent is persisted, or at once.")
+@click.option(
+    "--wait",
+    type=click.Choice(["persisted", "none"]),
+    default="persisted",
+    show_default=True,
+    help="Exit once everything sent is persisted, or at once.",
+)
 @click.option("--vbuckets", type=click.IntRange(1, 65536), default=1024, show_default=True)
 def feed(
     address: str,
@@ -185,5 +193,128 @@ def dump(name: str, data_dir: Path | None, config_file: Path | None) -> None:
         fail(f"cannot dump while a daemon runs: {exc}")
     except (StoreError, KeyEncodingError) as exc:
         fail(str(exc))
+    except BrokenPipeError:
+        sys.stderr.close()
+
+
+def _http_url(url: str | None, config_file: Path | None) -> str:
+    if url:
+        return url.rstrip("/")
+    server = _config(config_file).server
+    return f"http://{server.host}:{server.http_port}"
+
+
+def _http_error(response: Any) -> NoReturn:
+    try:
+        message = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text.strip()[:200]
+    fail(f"HTTP {response.status_code}: {message}")
+
+
+def _get_json(url: str, path: str, **params: Any) -> Any:
+    import httpx
+
+    try:
+        response = httpx.get(url + path, params=params, timeout=30)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {url}: {exc}")
+    if response.status_code != 200:
+        _http_error(response)
+    return response.json()
+
+
+URL_OPTION = click.option("--url", help="The daemon's HTTP API (default: the configured address).")
+CONFIG_OPTION = click.option(
+    "--config", "config_file", type=click.Path(path_type=Path), help="TOML file."
+)
+
+
+@main.command()
+@URL_OPTION
+@CONFIG_OPTION
+def stats(url: str | None, config_file: Path | None) -> None:
+    """Print the daemon's statistics (GET /stats) as JSON."""
+    import json
+
+    click.echo(json.dumps(_get_json(_http_url(url, config_file), "/stats"), indent=2))
+
+
+@main.command("list-indexes")
+@URL_OPTION
+@CONFIG_OPTION
+def list_indexes(url: str | None, config_file: Path | None) -> None:
+    """List the indexes with their keys, state and entry counts."""
+    for index in _get_json(_http_url(url, config_file), "/indexes")["indexes"]:
+        click.echo(
+            f"{index['name']}\t{','.join(index['keys'])}\t{index['state']}\t{index['entries']}"
+        )
+
+
+@main.command()
+@click.argument("name")
+@URL_OPTION
+@CONFIG_OPTION
+@click.option("--eq", help="JSON: the key (or a prefix of it, as a list) to match.")
+@click.option("--low", help="JSON: the lower bound (a value or a list prefix).")
+@click.option("--high", help="JSON: the upper bound.")
+@click.option(
+    "--inclusion",
+    type=click.Choice(["both", "low", "high", "neither"]),
+    default="both",
+    show_default=True,
+)
+@click.option(
+    "--consistency", type=click.Choice(["any", "request_plus"]), default="any", show_default=True
+)
+@click.option("--limit", type=click.IntRange(0))
+@click.option("--timeout", type=click.FloatRange(0), default=120, show_default=True)
+def scan(
+    name: str,
+    url: str | None,
+    config_file: Path | None,
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    inclusion: str,
+    consistency: str,
+    limit: int | None,
+    timeout: float,
+) -> None:
+    """Print index NAME's entries (JSONL, index order) from the running daemon."""
+    import json
+
+    import httpx
+
+    if eq is not None and (low is not None or high is not None):
+        fail("give --eq or --low/--high, not both", 2)
+    params: dict[str, Any] = {
+        "consistency": consistency,
+        "inclusion": inclusion,
+        "timeout": timeout,
+    }
+    for key, value in (("eq", eq), ("low", low), ("high", high)):
+        if value is not None:
+            try:
+                json.loads(value)
+            except ValueError:
+                fail(f"--{key}: not JSON: {value}", 2)
+            params[key] = value
+    if limit is not None:
+        params["limit"] = limit
+    base = _http_url(url, config_file)
+    try:
+        with httpx.stream(
+            "GET", f"{base}/indexes/{name}/scan", params=params, timeout=timeout + 30
+        ) as response:
+            if response.status_code != 200:
+                response.read()
+                _http_error(response)
+            out = sys.stdout
+            for line in response.iter_lines():
+                if line:
+                    out.write(line + "\n")
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {base}: {exc}")
     except BrokenPipeError:
         sys.stderr.close()

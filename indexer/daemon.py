@@ -22,6 +22,7 @@ import trio
 
 from indexer.config import Config
 from indexer.dispatch import dispatch
+from indexer.http import DaemonView, HttpApi
 from indexer.reader import Reader, StreamRegistry
 from indexer.snapshots import (
     SnapshotFileError,
@@ -40,10 +41,11 @@ log = logging.getLogger("indexer.daemon")
 
 @dataclass(frozen=True)
 class Listening:
-    """Where the daemon accepts router feeds, once it is ready."""
+    """Where the daemon accepts router feeds and HTTP requests, once it is ready."""
 
     host: str
     feed_port: int
+    http_port: int
 
 
 # Every mutation allocates a few short-lived tuples and bytes. At CPython's default first
@@ -143,9 +145,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
         registry = StreamRegistry(server.owned_vbuckets, restart.seqnos)
         capacity = config.pipeline.channel_batches
         to_dispatch, from_readers = trio.open_memory_channel[list[StreamItem]](capacity)
-        channels = [
-            trio.open_memory_channel[list[StreamItem]](capacity) for _ in workers
-        ]
+        channels = [trio.open_memory_channel[list[StreamItem]](capacity) for _ in workers]
         reader = Reader(
             registry,
             [i.definition for i in indexes],
@@ -154,9 +154,22 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             to_dispatch,
             server.max_frame_bytes,
         )
+        view = DaemonView(
+            store,
+            indexes,
+            snapshots,
+            registry,
+            hwt,
+            workers,
+            pool,
+            throttle,
+            timekeeper,
+            config.snapshots.in_memory_interval_s,
+        )
         try:
             async with trio.open_nursery() as services:
                 services.start_soon(throttle.run)
+                http_port = await services.start(_serve_http, config, HttpApi(view))
                 async with trio.open_nursery() as keeping:
                     keeping.start_soon(timekeeper.run)
                     async with trio.open_nursery() as pipeline:
@@ -164,7 +177,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
                             pipeline.start_soon(worker.run, receive)
                         pipeline.start_soon(dispatch, from_readers, [s for s, _ in channels])
                         async with to_dispatch:
-                            await _intake(config, reader, ready)
+                            await _intake(config, reader, view, http_port, ready)
                     log.info("intake stopped, queues drained; flushing and persisting")
                     timekeeper.stop()
                 services.cancel_scope.cancel()
@@ -182,8 +195,35 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
         )
 
 
+async def _serve_http(
+    config: Config, api: HttpApi, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The HTTP API under hypercorn (trio worker) until cancelled; reports the bound port."""
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve as hypercorn_serve
+
+    server = config.server
+    hyper = HypercornConfig()
+    hyper.bind = [f"{server.host}:{server.http_port}"]
+    hyper.accesslog = None
+    hyper.errorlog = logging.getLogger("indexer.http")
+    hyper.graceful_timeout = 1.0
+
+    async def started(task_status: trio.TaskStatus[list[str]]) -> None:
+        await hypercorn_serve(api, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(started)
+        port = int(binds[0].rsplit(":", 1)[1]) if binds else server.http_port
+        task_status.started(port)
+
+
 async def _intake(
-    config: Config, reader: Reader, ready: Callable[[Listening], None] | None
+    config: Config,
+    reader: Reader,
+    view: DaemonView,
+    http_port: int,
+    ready: Callable[[Listening], None] | None,
 ) -> None:
     """Accept router connections until a signal arrives."""
     server = config.server
@@ -195,6 +235,8 @@ async def _intake(
                 )
             )
             port = listeners[0].socket.getsockname()[1]
+            view.ready = True
+            log.info("HTTP API on http://%s:%d", server.host, http_port)
             log.info(
                 "listening for router feeds on %s:%d; data in %s; %d indexes: %s",
                 server.host,
@@ -204,7 +246,7 @@ async def _intake(
                 ", ".join(f"{i.name}({', '.join(i.keys)})" for i in config.indexes),
             )
             if ready is not None:
-                ready(Listening(server.host, port))
+                ready(Listening(server.host, port, http_port))
             async for signum in signals:
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()

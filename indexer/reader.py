@@ -149,9 +149,7 @@ class Connection:
             return None
         if type(message) is p.Handshake:
             raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "HANDSHAKE sent twice")
-        raise ProtocolError(
-            ErrorCode.PROTOCOL, f"{type(message).__name__} is not sent by routers"
-        )
+        raise ProtocolError(ErrorCode.PROTOCOL, f"{type(message).__name__} is not sent by routers")
 
     def _accept_batch(self, batch: p.MutationBatch) -> p.MutationBatch | None:
         reg = self.registry

@@ -111,45 +111,88 @@ def read_snapshot_file(
     return StabilityTimestamp(seqnos, vbuuids), float(body["persisted_at"])
 
 
-@dataclass(frozen=True)
 class StabilitySnapshot:
-    """A readable snapshot: its timestamp and the LevelDB snapshot that shows exactly it."""
+    """A readable snapshot: its timestamp and the LevelDB snapshot that shows exactly it.
 
-    timestamp: StabilityTimestamp
-    store_snapshot: Any
-    created_at: float
+    The LevelDB snapshot stays open while the snapshot is the latest, the persisted one, pinned,
+    or read by a scan (each holds a reference); the last reference out closes it.
+    """
+
+    def __init__(self, number: int, timestamp: StabilityTimestamp, store_snapshot: Any) -> None:
+        self.number = number
+        self.timestamp = timestamp
+        self.store_snapshot = store_snapshot
+        self.created_at = time.time()
+        self._refs = 0
+
+    def acquire(self) -> StabilitySnapshot:
+        self._refs += 1
+        return self
+
+    def release(self) -> None:
+        self._refs -= 1
+        if self._refs == 0 and self.store_snapshot is not None:
+            self.store_snapshot.close()
+            self.store_snapshot = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.store_snapshot is not None
 
 
 @dataclass(frozen=True)
 class SnapshotStatistics:
+    stable_number: int
     stable_total: int
     persisted_total: int
     snapshots_published: int
     snapshots_persisted: int
     last_persist_lag_s: float
+    pins: int
+
+
+@dataclass
+class Pin:
+    """A snapshot held for readers under a lease; released on request or at expiry."""
+
+    pin_id: str
+    snapshot: StabilitySnapshot
+    lease_s: float
+    expires_at: float
 
 
 class SnapshotStore:
-    """The latest readable and persisted snapshots; tasks wait here for newer ones."""
+    """The latest readable and persisted snapshots and the pinned ones; tasks wait here."""
 
     def __init__(self, persisted: StabilityTimestamp) -> None:
         self.stable: StabilitySnapshot | None = None
         self.persisted = persisted
+        self.persisted_snapshot: StabilitySnapshot | None = None
+        self.pins: dict[str, Pin] = {}
+        self._numbers = 0
+        self._pin_numbers = 0
         self._published = 0
         self._persisted_count = 0
         self._persist_lag = 0.0
         self._changed = trio.Event()
 
-    def publish(self, snapshot: StabilitySnapshot) -> None:
+    def publish(self, timestamp: StabilityTimestamp, store_snapshot: Any) -> StabilitySnapshot:
+        self._numbers += 1
+        snapshot = StabilitySnapshot(self._numbers, timestamp, store_snapshot).acquire()
         old = self.stable
         self.stable = snapshot
-        if old is not None and old.store_snapshot is not None:
-            old.store_snapshot.close()
+        if old is not None:
+            old.release()
         self._published += 1
         self._wake()
+        return snapshot
 
-    def record_persisted(self, ts: StabilityTimestamp, lag_s: float) -> None:
-        self.persisted = ts
+    def record_persisted(self, snapshot: StabilitySnapshot, lag_s: float) -> None:
+        old = self.persisted_snapshot
+        self.persisted_snapshot = snapshot.acquire()
+        if old is not None:
+            old.release()
+        self.persisted = snapshot.timestamp
         self._persisted_count += 1
         self._persist_lag = lag_s
         self._wake()
@@ -162,16 +205,51 @@ class SnapshotStore:
         """Return after the next publish or persist."""
         await self._changed.wait()
 
+    async def wait_covering(self, seqnos: Iterable[tuple[int, int]]) -> StabilitySnapshot:
+        """The first readable snapshot covering every (vbucket, seqno); cancel to give up."""
+        wanted = [(vb, s) for vb, s in seqnos if s > 0]
+        while True:
+            stable = self.stable
+            if stable is not None and stable.timestamp.covers(wanted):
+                return stable
+            await self.wait_changed()
+
+    def pin(self, snapshot: StabilitySnapshot, lease_s: float) -> Pin:
+        self._pin_numbers += 1
+        pin = Pin(f"p{self._pin_numbers}", snapshot.acquire(), lease_s, time.monotonic() + lease_s)
+        self.pins[pin.pin_id] = pin
+        return pin
+
+    def unpin(self, pin_id: str) -> bool:
+        pin = self.pins.pop(pin_id, None)
+        if pin is None:
+            return False
+        pin.snapshot.release()
+        return True
+
+    def expire_pins(self) -> int:
+        """Release pins whose lease ran out; how many."""
+        now = time.monotonic()
+        expired = [p.pin_id for p in self.pins.values() if p.expires_at <= now]
+        for pin_id in expired:
+            self.unpin(pin_id)
+        return len(expired)
+
     def close(self) -> None:
-        if self.stable is not None and self.stable.store_snapshot is not None:
-            self.stable.store_snapshot.close()
-        self.stable = None
+        for pin_id in list(self.pins):
+            self.unpin(pin_id)
+        for snap in (self.stable, self.persisted_snapshot):
+            if snap is not None:
+                snap.release()
+        self.stable = self.persisted_snapshot = None
 
     def statistics(self) -> SnapshotStatistics:
         return SnapshotStatistics(
+            stable_number=self.stable.number if self.stable else 0,
             stable_total=self.stable.timestamp.total if self.stable else 0,
             persisted_total=self.persisted.total,
             snapshots_published=self._published,
             snapshots_persisted=self._persisted_count,
             last_persist_lag_s=self._persist_lag,
+            pins=len(self.pins),
         )

@@ -18,12 +18,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from indexer.snapshots import (
-    SnapshotStore,
-    StabilitySnapshot,
-    StabilityTimestamp,
-    write_snapshot_file,
-)
+from indexer.snapshots import SnapshotStore, StabilityTimestamp, write_snapshot_file
 from indexer.storage import IndexStore
 
 if TYPE_CHECKING:
@@ -119,11 +114,15 @@ class Timekeeper:
         self._stopping.set()
 
     async def run(self) -> None:
+        # What the store holds at start is readable at once: the recovered timestamp.
+        start = self.snapshots.publish(self._stable, self.store.snapshot())
+        self.snapshots.record_persisted(start, 0.0)
         last_persist = trio.current_time()
         while not self._stopping.is_set():
             with trio.move_on_after(self.in_memory_interval_s):
                 await self._stopping.wait()
             moved = await self.cut()
+            self.snapshots.expire_pins()
             # Persist on the interval, and at once when intake went quiet: a router that has
             # sent its last mutation should not wait a whole interval for its ack.
             due = trio.current_time() - last_persist >= self.persist_interval_s
@@ -146,8 +145,7 @@ class Timekeeper:
             self._stable = ts
             self._flushes += 1
             if all(h <= s for h, s in zip(self._store_high, ts.seqnos, strict=True)):
-                snap = StabilitySnapshot(ts, self.store.snapshot(), time.time())
-                self.snapshots.publish(snap)
+                self.snapshots.publish(ts, self.store.snapshot())
             return True
         if any(w.blocked for w in self.workers):
             # The queues are full of snapshots not yet complete: write them without publishing.
@@ -185,10 +183,14 @@ class Timekeeper:
             return False
         ts = stable.timestamp
         started = time.time()
-        await trio.to_thread.run_sync(self.store.sync)
-        await trio.to_thread.run_sync(write_snapshot_file, self.data_dir, ts)
-        lag = time.time() - stable.created_at
-        self.snapshots.record_persisted(ts, lag)
+        stable.acquire()  # a newer publish must not close it while the file is written
+        try:
+            await trio.to_thread.run_sync(self.store.sync)
+            await trio.to_thread.run_sync(write_snapshot_file, self.data_dir, ts)
+            lag = time.time() - stable.created_at
+            self.snapshots.record_persisted(stable, lag)
+        finally:
+            stable.release()
         log.info(
             "snapshot persisted: seqnos summing to %d, lag %.0f ms, sync %.0f ms",
             ts.total,

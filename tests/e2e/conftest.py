@@ -37,13 +37,15 @@ def indexer_command(*args: str) -> list[str]:
 
 def write_config(path: Path, data_dir: Path, port: int, **sections: dict[str, Any]) -> Path:
     """A TOML config: the two test indexes plus any overridden sections."""
+    server = sections.pop("server", {})
+    server.setdefault("http_port", free_port())
     lines = [
         "[server]",
         f'data_dir = "{data_dir}"',
         f"feed_port = {port}",
         'log_level = "info"',
     ]
-    for key, value in sections.pop("server", {}).items():
+    for key, value in server.items():
         lines.append(f"{key} = {json.dumps(value)}")
     for name, table in sections.items():
         lines.append(f"[{name}]")
@@ -61,11 +63,17 @@ class Daemon:
         self.config = config
         self.log_path = log
         self.port = port
+        text = config.read_text()
+        self.http_port = int(text.split("http_port = ", 1)[1].split("\n", 1)[0])
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout: float = 30) -> Daemon:
         mark = self.log().count("listening for router feeds")

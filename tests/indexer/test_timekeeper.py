@@ -112,6 +112,7 @@ async def test_cut_flushes_aligned_snapshots_and_persist_records_them(tmp_path: 
             assert keeper.statistics().entry_counts == (7,)
             for s in sends:
                 await s.aclose()
+        assert snapshots.stable is not None
         keys = list(store.main_entries(indexes[0], snapshots.stable.store_snapshot))
         assert len(keys) == 7
         snapshots.close()

@@ -1,0 +1,596 @@
+"""The admin and scan HTTP API: a small ASGI app served by hypercorn inside the daemon's trio run.
+
+Routes (JSON unless said otherwise; errors are `{"error": message}` with a 4xx/5xx status):
+
+    GET    /health                   200 once the daemon is ready
+    GET    /stats                    HWT summary, snapshots, queues, slab, throttle, index counts
+    GET    /metrics                  Prometheus text format
+    GET    /indexes                  index definitions, states and entry counts
+    GET    /indexes/NAME/scan        NDJSON rows, or Arrow IPC when asked (Accept: ARROW below)
+    GET    /indexes/NAME/count       {"count": N}
+    GET    /indexes/NAME/splits      key ranges of about equal size, for parallel readers
+    GET    /snapshots                the latest readable, the persisted and the pinned snapshots
+    POST   /snapshots/pin            pin a snapshot under a lease -> {"id": ...}
+    DELETE /snapshots/ID             release a pin
+
+Every scan answer names the snapshot it read: headers `X-Indexer-Snapshot` (its number) and
+`X-Indexer-Seqno-Sum`, and for Arrow the same in the stream's schema metadata.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
+from itertools import islice
+from typing import Any
+from urllib.parse import parse_qs
+
+import pyarrow as pa
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from indexer.keys import MISSING
+from indexer.reader import StreamRegistry
+from indexer.scans import (
+    KeyRange,
+    Row,
+    ScanRequestError,
+    count_entries,
+    iterate,
+    key_range,
+    parse_json_param,
+    splits,
+)
+from indexer.snapshots import SnapshotStore, StabilitySnapshot
+from indexer.storage import IndexStore, StoredIndex
+from indexer.timekeeper import HighWaterTimestamp, Timekeeper
+from slab import MemoryThrottle, SlabPool
+from workers.worker import Worker
+
+log = logging.getLogger("indexer.http")
+
+ARROW = "application/vnd.apache.arrow.stream"
+NDJSON = "application/x-ndjson"
+SCAN_CHUNK = 2000
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_LEASE_S = 600.0
+MAX_LEASE_S = 86400.0
+CONSISTENCIES = ("any", "request_plus", "at_plus")
+INDEX_ROUTE = re.compile(r"^/indexes/([A-Za-z][A-Za-z0-9_]{0,63})/(scan|count|splits)$")
+PIN_ROUTE = re.compile(r"^/snapshots/(p\d+)$")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class ApiError(Exception):
+    """An answer other than success: HTTP status, message, extra headers."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+@dataclass
+class DaemonView:
+    """The parts of the running daemon the API reads; it changes nothing but pins."""
+
+    store: IndexStore
+    indexes: list[StoredIndex]
+    snapshots: SnapshotStore
+    registry: StreamRegistry
+    hwt: HighWaterTimestamp
+    workers: list[Worker]
+    pool: SlabPool
+    throttle: MemoryThrottle
+    timekeeper: Timekeeper
+    in_memory_interval_s: float
+    ready: bool = False
+
+
+class HttpApi:
+    """The ASGI application."""
+
+    def __init__(self, view: DaemonView) -> None:
+        self.view = view
+        self.metrics = CollectorRegistry()
+        self.metrics.register(_Collector(self))
+        self.active_scans = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = message["type"]
+                if kind == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif kind == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        try:
+            await self._route(scope, receive, send)
+        except ApiError as exc:
+            await _json(send, exc.status, {"error": exc.message}, exc.headers)
+        except ScanRequestError as exc:
+            await _json(send, 400, {"error": str(exc)})
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await _json(send, 500, {"error": f"internal error: {type(exc).__name__}"})
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method = scope["method"]
+        path = scope["path"].rstrip("/") or "/"
+        query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode()).items()}
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        if path == "/health":
+            _only(method, "GET")
+            if not self.view.ready:
+                raise ApiError(503, "starting", {"retry-after": "1"})
+            await _json(send, 200, {"status": "ok"})
+        elif path == "/stats":
+            _only(method, "GET")
+            await _json(send, 200, self.stats())
+        elif path == "/metrics":
+            _only(method, "GET")
+            body = generate_latest(self.metrics)
+            await _respond(send, 200, body, "text/plain; version=0.0.4; charset=utf-8")
+        elif path == "/indexes":
+            _only(method, "GET")
+            await _json(send, 200, {"indexes": self.index_list()})
+        elif path == "/snapshots":
+            _only(method, "GET")
+            await _json(send, 200, self.snapshot_list())
+        elif path == "/snapshots/pin":
+            _only(method, "POST")
+            await self.pin(await _body_json(receive), send)
+        elif match := PIN_ROUTE.match(path):
+            _only(method, "DELETE")
+            if not self.view.snapshots.unpin(match.group(1)):
+                raise ApiError(404, f"no pin {match.group(1)!r} (released or expired)")
+            await _respond(send, 204, b"", "text/plain")
+        elif match := INDEX_ROUTE.match(path):
+            _only(method, "GET")
+            index = self._index(match.group(1))
+            action = match.group(2)
+            if action == "splits":
+                await self.split(index, query, send)
+            else:
+                await self.scan(index, query, headers, send, count_only=action == "count")
+        elif path.startswith("/indexes/"):
+            raise ApiError(404, "no such route: index names are a letter then letters, digits, _")
+        else:
+            raise ApiError(404, f"no such route: {path}")
+
+    # ---------------------------------------------------------------------------- snapshots
+
+    def _index(self, name: str) -> StoredIndex:
+        for index in self.view.indexes:
+            if index.definition.name == name:
+                return index
+        raise ApiError(404, f"no index named {name!r}")
+
+    def _describe(self, snap: StabilitySnapshot) -> dict[str, Any]:
+        return {
+            "snapshot": snap.number,
+            "seqno_sum": snap.timestamp.total,
+            "created_at": snap.created_at,
+            "seqnos": list(snap.timestamp.seqnos),
+            "vbuuids": list(snap.timestamp.vbuuids),
+        }
+
+    def snapshot_list(self) -> dict[str, Any]:
+        snaps = self.view.snapshots
+        return {
+            "stable": self._describe(snaps.stable) if snaps.stable else None,
+            "persisted": self._describe(snaps.persisted_snapshot)
+            if snaps.persisted_snapshot
+            else None,
+            "pinned": [
+                {
+                    "id": p.pin_id,
+                    "snapshot": p.snapshot.number,
+                    "seqno_sum": p.snapshot.timestamp.total,
+                    "lease_s": p.lease_s,
+                    "expires_in_s": round(p.expires_at - time.monotonic(), 3),
+                }
+                for p in snaps.pins.values()
+            ],
+        }
+
+    def _target(self, consistency: str, at_plus: Any) -> list[tuple[int, int]] | None:
+        """The (vbucket, seqno) pairs a snapshot must cover, or None for `any`."""
+        if consistency not in CONSISTENCIES:
+            raise ApiError(400, f"consistency: one of {', '.join(CONSISTENCIES)}")
+        if consistency == "any":
+            return None
+        if consistency == "request_plus":
+            return list(enumerate(self.view.registry.received))
+        return _vector(at_plus, len(self.view.registry.received))
+
+    async def _snapshot_for(
+        self, consistency: str, at_plus: Any, timeout_s: float
+    ) -> StabilitySnapshot:
+        target = self._target(consistency, at_plus)
+        snaps = self.view.snapshots
+        if target is None:
+            if snaps.stable is None:
+                raise ApiError(503, "no readable snapshot yet", {"retry-after": "1"})
+            return snaps.stable
+        with trio.move_on_after(timeout_s):
+            return await snaps.wait_covering(target)
+        raise ApiError(
+            504, f"timed out after {timeout_s:g} s waiting for a snapshot at {consistency}"
+        )
+
+    async def pin(self, body: dict[str, Any], send: Send) -> None:
+        lease = _number(body.get("lease_s", DEFAULT_LEASE_S), "lease_s", 1, MAX_LEASE_S)
+        timeout = _number(body.get("timeout_s", DEFAULT_TIMEOUT_S), "timeout_s", 0, 3600)
+        which = body.get("snapshot", "persisted")
+        snaps = self.view.snapshots
+        if "at_plus" in body:
+            snap = await self._snapshot_for("at_plus", body["at_plus"], timeout)
+        elif which == "persisted":
+            if snaps.persisted_snapshot is None:
+                raise ApiError(503, "no persisted snapshot yet", {"retry-after": "1"})
+            snap = snaps.persisted_snapshot
+        elif which == "stable":
+            snap = await self._snapshot_for("any", None, timeout)
+        else:
+            raise ApiError(400, 'snapshot: "persisted" or "stable" (or give "at_plus")')
+        pin = snaps.pin(snap, lease)
+        log.info("snapshot %d pinned as %s for %g s", snap.number, pin.pin_id, lease)
+        await _json(send, 200, {"id": pin.pin_id, "lease_s": lease, **self._describe(snap)})
+
+    # ---------------------------------------------------------------------------- scans
+
+    def _range(self, index: StoredIndex, query: dict[str, str]) -> KeyRange:
+        nkeys = len(index.definition.keys)
+        params = {}
+        for name in ("eq", "low", "high"):
+            if name in query:
+                params[name] = parse_json_param(name, query[name])
+        bounds = key_range(
+            nkeys,
+            eq=params.get("eq"),
+            low=params.get("low"),
+            high=params.get("high"),
+            inclusion=query.get("inclusion", "both"),
+            has_eq="eq" in params,
+            has_low="low" in params,
+            has_high="high" in params,
+        )
+        start = _hex(query, "start")
+        stop = _hex(query, "stop")
+        lo = max((b for b in (bounds.start, start) if b is not None), default=None)
+        hi = min((b for b in (bounds.stop, stop) if b is not None), default=None)
+        return KeyRange(lo, hi)
+
+    async def _read_snapshot(self, query: dict[str, str]) -> StabilitySnapshot:
+        if "pin" in query:
+            pin = self.view.snapshots.pins.get(query["pin"])
+            if pin is None:
+                raise ApiError(404, f"no pin {query['pin']!r} (released or expired)")
+            return pin.snapshot
+        timeout = _number(query.get("timeout", DEFAULT_TIMEOUT_S), "timeout", 0, 3600)
+        at_plus = parse_json_param("at_plus", query["at_plus"]) if "at_plus" in query else None
+        consistency = query.get("consistency", "any")
+        if consistency == "at_plus" and at_plus is None:
+            raise ApiError(400, "consistency=at_plus needs at_plus={vbucket: seqno, ...}")
+        return await self._snapshot_for(consistency, at_plus, timeout)
+
+    async def scan(
+        self,
+        index: StoredIndex,
+        query: dict[str, str],
+        headers: dict[str, str],
+        send: Send,
+        count_only: bool,
+    ) -> None:
+        if self.view.throttle.paused:
+            raise ApiError(503, "the daemon is short of memory; retry later", {"retry-after": "2"})
+        limit = None
+        if "limit" in query:
+            limit = int(_number(query["limit"], "limit", 0, 2**62))
+            if str(limit) != query["limit"].strip():
+                raise ApiError(400, "limit: a whole number")
+        bounds = self._range(index, query)
+        snap = (await self._read_snapshot(query)).acquire()
+        try:
+            if not snap.is_open:
+                raise ApiError(410, "the snapshot was released")
+            meta = {
+                "x-indexer-snapshot": str(snap.number),
+                "x-indexer-seqno-sum": str(snap.timestamp.total),
+            }
+            if count_only:
+                n = await trio.to_thread.run_sync(
+                    count_entries, self.view.store, index, snap.store_snapshot, bounds
+                )
+                await _json(send, 200, {"count": n, "snapshot": snap.number}, meta)
+                return
+            rows = iterate(self.view.store, index, snap.store_snapshot, bounds, limit)
+            self.active_scans += 1
+            try:
+                if ARROW in headers.get("accept", ""):
+                    await self._stream_arrow(index, snap, rows, send, meta)
+                else:
+                    await self._stream_ndjson(rows, send, meta)
+            finally:
+                self.active_scans -= 1
+        finally:
+            snap.release()
+
+    async def _stream_ndjson(self, rows: Iterator[Row], send: Send, meta: dict[str, str]) -> None:
+        await _start(send, 200, NDJSON, meta)
+        while True:
+            chunk = await trio.to_thread.run_sync(_take, rows)
+            if not chunk:
+                break
+            body = "".join(json.dumps(r.as_json(), ensure_ascii=False) + "\n" for r in chunk)
+            await send({"type": "http.response.body", "body": body.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _stream_arrow(
+        self,
+        index: StoredIndex,
+        snap: StabilitySnapshot,
+        rows: Iterator[Row],
+        send: Send,
+        meta: dict[str, str],
+    ) -> None:
+        paths = index.definition.keys
+        schema = pa.schema(
+            [pa.field("id", pa.string())] + [pa.field(p, pa.string()) for p in paths],
+            metadata={
+                "indexer.snapshot": str(snap.number),
+                "indexer.seqno_sum": str(snap.timestamp.total),
+            },
+        )
+        sink = _Chunks()
+        writer = pa.ipc.new_stream(sink, schema)
+        await _start(send, 200, ARROW, meta)
+        while True:
+            chunk = await trio.to_thread.run_sync(_take, rows)
+            if not chunk:
+                break
+            columns = [pa.array([r.docid for r in chunk], pa.string())]
+            for j in range(len(paths)):
+                columns.append(
+                    pa.array(
+                        [None if r.key[j] is MISSING else json.dumps(r.key[j]) for r in chunk],
+                        pa.string(),
+                    )
+                )
+            writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+            await send({"type": "http.response.body", "body": sink.take(), "more_body": True})
+        writer.close()
+        await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
+
+    async def split(self, index: StoredIndex, query: dict[str, str], send: Send) -> None:
+        parts = int(_number(query.get("parts", "4"), "parts", 1, 10_000))
+        snap = (await self._read_snapshot(query)).acquire()
+        try:
+            ranges = await trio.to_thread.run_sync(
+                splits, self.view.store, index, snap.store_snapshot, parts
+            )
+        finally:
+            snap.release()
+        out = [
+            {"start": r.start.hex() if r.start else None, "stop": r.stop.hex() if r.stop else None}
+            for r in ranges
+        ]
+        await _json(send, 200, {"splits": out, "snapshot": snap.number})
+
+    # ---------------------------------------------------------------------------- state
+
+    def index_list(self) -> list[dict[str, Any]]:
+        counts = self.view.timekeeper.statistics().entry_counts
+        return [
+            {
+                "name": i.definition.name,
+                "keys": list(i.definition.keys),
+                "state": "active",
+                "entries": counts[j],
+            }
+            for j, i in enumerate(self.view.indexes)
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        v = self.view
+        snaps = v.snapshots
+        hwt = v.hwt
+        owned = [vb for vb, flag in enumerate(v.registry.owned) if flag]
+        return {
+            "vbuckets": {
+                "count": hwt.num_vbuckets,
+                "owned": len(owned),
+                "streaming": sum(1 for o in v.registry.owner if o is not None),
+                "hwt_seqno_sum": sum(hwt.seqnos),
+                "hwt_max_seqno": max(hwt.seqnos, default=0),
+                "received_seqno_sum": sum(v.registry.received),
+            },
+            "stable": {
+                "snapshot": snaps.stable.number if snaps.stable else None,
+                "seqno_sum": snaps.stable.timestamp.total if snaps.stable else 0,
+                "age_s": round(time.time() - snaps.stable.created_at, 3) if snaps.stable else None,
+            },
+            "persisted": {
+                "seqno_sum": snaps.persisted.total,
+                "snapshot": snaps.persisted_snapshot.number if snaps.persisted_snapshot else None,
+            },
+            "snapshots": asdict(snaps.statistics()),
+            "queues": [asdict(w.statistics()) for w in v.workers],
+            "slab": asdict(v.pool.statistics()),
+            "throttle": asdict(v.throttle.statistics()),
+            "reader": asdict(v.registry.statistics()),
+            "timekeeper": asdict(v.timekeeper.statistics()),
+            "indexes": {i["name"]: {"entries": i["entries"]} for i in self.index_list()},
+            "scans_active": self.active_scans,
+        }
+
+
+class _Collector:
+    """Prometheus metrics read from the stages' statistics at scrape time."""
+
+    def __init__(self, api: HttpApi) -> None:
+        self.api = api
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        v = self.api.view
+        slab = v.pool.statistics()
+        throttle = v.throttle.statistics()
+        tk = v.timekeeper.statistics()
+        snaps = v.snapshots.statistics()
+        reader = v.registry.statistics()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"indexer_{name}", doc, value=value)
+
+        yield gauge(
+            "slab_chunk_bytes_in_use",
+            "Slab chunk bytes holding queued mutations",
+            slab.chunk_bytes_in_use,
+        )
+        yield gauge("slab_total_bytes", "Slab pool size", slab.total_bytes)
+        yield gauge("throttle_paused", "1 while reads are paused for memory", int(throttle.paused))
+        yield gauge("throttle_pauses", "Times reads were paused for memory", throttle.pauses)
+        yield gauge("rss_bytes", "Process resident memory at the last sample", throttle.rss)
+        yield gauge("mutations_received", "Mutations received from routers", reader.mutations)
+        yield gauge("mutations_flushed", "Mutations written to the store", tk.mutations_flushed)
+        yield gauge("router_connections", "Open router connections", reader.connections)
+        yield gauge(
+            "protocol_errors", "Connections refused for protocol errors", reader.protocol_errors
+        )
+        yield gauge(
+            "stable_seqno_sum", "Seqno sum of the latest readable snapshot", snaps.stable_total
+        )
+        yield gauge(
+            "persisted_seqno_sum", "Seqno sum of the persisted snapshot", snaps.persisted_total
+        )
+        yield gauge("snapshot_pins", "Pinned snapshots", snaps.pins)
+        queued = GaugeMetricFamily(
+            "indexer_queued_mutations", "Mutations queued", labels=["worker"]
+        )
+        for w in v.workers:
+            queued.add_metric([str(w.number)], w.statistics().queued)
+        yield queued
+        entries = GaugeMetricFamily("indexer_index_entries", "Entries per index", labels=["index"])
+        for j, index in enumerate(v.indexes):
+            entries.add_metric([index.definition.name], tk.entry_counts[j])
+        yield entries
+
+
+class _Chunks(io.RawIOBase):
+    """A write-only file collecting what pyarrow writes, handed out chunk by chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._parts: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
+
+
+def _take(rows: Iterator[Row]) -> list[Row]:
+    return list(islice(rows, SCAN_CHUNK))
+
+
+def _only(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise ApiError(405, f"{method} not allowed here; use {allowed}", {"allow": allowed})
+
+
+def _number(value: Any, name: str, low: float, high: float) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ApiError(400, f"{name}: a number, not {value!r}") from None
+    if math.isnan(number) or not low <= number <= high:
+        raise ApiError(400, f"{name}: from {low:g} to {high:g}, not {value!r}")
+    return number
+
+
+def _hex(query: dict[str, str], name: str) -> bytes | None:
+    if name not in query or query[name] == "":
+        return None
+    try:
+        return bytes.fromhex(query[name])
+    except ValueError:
+        raise ApiError(400, f"{name}: hexadecimal encoded key bytes") from None
+
+
+def _vector(value: Any, num_vbuckets: int) -> list[tuple[int, int]]:
+    """An at_plus vector: {"vbucket": seqno, ...} or a list of seqnos, one per vbucket."""
+    if isinstance(value, list):
+        items = list(enumerate(value))
+    elif isinstance(value, dict):
+        try:
+            items = [(int(k), v) for k, v in value.items()]
+        except ValueError:
+            raise ApiError(400, "at_plus: keys are vbucket numbers") from None
+    else:
+        raise ApiError(400, "at_plus: {vbucket: seqno, ...} or a list of seqnos")
+    for vb, seqno in items:
+        if not 0 <= vb < num_vbuckets:
+            raise ApiError(400, f"at_plus: vbucket {vb} is outside 0-{num_vbuckets - 1}")
+        if not isinstance(seqno, int) or isinstance(seqno, bool) or seqno < 0:
+            raise ApiError(400, f"at_plus: seqno of vbucket {vb} must be a whole number >= 0")
+    return items
+
+
+async def _body_json(receive: Receive) -> dict[str, Any]:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if len(body) > 1 << 20:
+            raise ApiError(413, "request body over 1 MiB")
+        if not message.get("more_body"):
+            break
+    if not body:
+        return {}
+    try:
+        value = json.loads(body)
+    except ValueError:
+        raise ApiError(400, "the body is not JSON") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return value
+
+
+async def _start(send: Send, status: int, content_type: str, extra: dict[str, str]) -> None:
+    headers = [(b"content-type", content_type.encode())]
+    headers += [(k.encode(), v.encode()) for k, v in extra.items()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, content_type: str, extra: dict[str, str] | None = None
+) -> None:
+    await _start(send, status, content_type, extra or {})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _json(send: Send, status: int, value: Any, extra: dict[str, str] | None = None) -> None:
+    await _respond(send, status, json.dumps(value).encode() + b"\n", "application/json", extra)

@@ -1,0 +1,185 @@
+"""The HTTP API and its CLI wrappers against a real daemon fed by the real router."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow as pa
+import pytest
+
+from indexer.router import Workload, generate
+from indexer.router.documents import Document, vbucket_of
+from tests.e2e.conftest import Daemon, indexer_command, model, run_feed, write_jsonl
+
+pytestmark = pytest.mark.e2e
+
+
+def ndjson(response: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in response.text.splitlines() if line]
+
+
+@pytest.fixture
+def fed(daemon_factory: Any, tmp_path: Path) -> tuple[Daemon, list[Document]]:
+    documents = list(generate(Workload(8_000, 1_500, 0.1, 11)))
+    daemon = daemon_factory().start()
+    fed = run_feed(daemon, write_jsonl(tmp_path / "docs.jsonl", documents))
+    assert fed.returncode == 0, fed.stderr
+    return daemon, documents
+
+
+def test_health_stats_metrics_and_indexes(fed: tuple[Daemon, list[Document]]) -> None:
+    daemon, documents = fed
+    assert httpx.get(daemon.url + "/health").json() == {"status": "ok"}
+    stats = httpx.get(daemon.url + "/stats").json()
+    assert stats["vbuckets"]["hwt_seqno_sum"] == len(documents)
+    assert stats["persisted"]["seqno_sum"] == len(documents)
+    assert len(stats["queues"]) == 8 and stats["slab"]["total_bytes"] > 0
+    assert stats["throttle"]["paused"] is False
+    want = {
+        name: len(model(documents, paths))
+        for name, paths in (("by_city", ["address.city", "age"]), ("by_age", ["age"]))
+    }
+    assert stats["indexes"] == {name: {"entries": n} for name, n in want.items()}
+    metrics = httpx.get(daemon.url + "/metrics").text
+    assert f'indexer_index_entries{{index="by_age"}} {float(want["by_age"])}' in metrics
+    listed = subprocess.run(
+        indexer_command("list-indexes", "--url", daemon.url), capture_output=True, text=True
+    )
+    assert listed.returncode == 0
+    assert f"by_city\taddress.city,age\tactive\t{want['by_city']}" in listed.stdout
+    assert daemon.stop() == 0
+
+
+def test_scans_ranges_limits_and_arrow_equal_the_model(fed: tuple[Daemon, list[Document]]) -> None:
+    daemon, documents = fed
+    want = model(documents, ["address.city", "age"])
+    full = httpx.get(daemon.url + "/indexes/by_city/scan")
+    assert full.status_code == 200 and ndjson(full) == want
+    assert int(full.headers["x-indexer-seqno-sum"]) == len(documents)
+    # A range on the leading key, both ends inclusive, and the same by the CLI.
+    rng = [e for e in want if "Berlin" <= e["key"][0] <= "Oslo"]
+    got = httpx.get(
+        daemon.url + "/indexes/by_city/scan", params={"low": '"Berlin"', "high": '"Oslo"'}
+    )
+    assert ndjson(got) == rng
+    cli = subprocess.run(
+        indexer_command(
+            "scan", "by_city", "--url", daemon.url, "--low", '"Berlin"', "--high", '"Oslo"'
+        ),
+        capture_output=True,
+        text=True,
+    )
+    assert cli.returncode == 0 and [json.loads(x) for x in cli.stdout.splitlines()] == rng
+    exclusive = httpx.get(
+        daemon.url + "/indexes/by_city/scan",
+        params={"low": '"Berlin"', "high": '"Oslo"', "inclusion": "neither"},
+    )
+    assert ndjson(exclusive) == [e for e in rng if e["key"][0] not in ("Berlin", "Oslo")]
+    # Equality on a composite prefix, a limit, and the count.
+    eq = [e for e in want if e["key"][:2] == ["Paris", 30]]
+    got = httpx.get(daemon.url + "/indexes/by_city/scan", params={"eq": '["Paris", 30]'})
+    assert ndjson(got) == eq
+    got = httpx.get(daemon.url + "/indexes/by_city/scan", params={"limit": "5"})
+    assert ndjson(got) == want[:5]
+    count = httpx.get(daemon.url + "/indexes/by_city/count", params={"eq": '"Paris"'}).json()
+    assert count["count"] == sum(1 for e in want if e["key"][0] == "Paris")
+    # Arrow: the same rows, key values as JSON text, MISSING as null.
+    arrow = httpx.get(
+        daemon.url + "/indexes/by_city/scan",
+        headers={"Accept": "application/vnd.apache.arrow.stream"},
+    )
+    table = pa.ipc.open_stream(arrow.content).read_all()
+    assert table.schema.names == ["id", "address.city", "age"]
+    assert table.schema.metadata[b"indexer.seqno_sum"] == str(len(documents)).encode()
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == [e["id"] for e in want]
+    for r, e in zip(rows, want, strict=True):
+        assert json.loads(r["address.city"]) == e["key"][0]
+        assert (r["age"] is None) == (1 in e.get("missing", []))
+    assert daemon.stop() == 0
+
+
+def test_request_plus_sees_the_last_mutation_and_at_plus_times_out(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory(snapshots={"in_memory_interval_ms": 300}).start()
+    documents = list(generate(Workload(3_000, 3_000, 0.0, 12)))
+    last = Document("the-last-one", {"age": 1234, "address": {"city": "Zz"}})
+    fed = run_feed(daemon, write_jsonl(tmp_path / "d.jsonl", [*documents, last]), "--wait", "none")
+    assert fed.returncode == 0, fed.stderr
+    # Right after the feed returns, request_plus must wait for the snapshot holding it.
+    got = httpx.get(
+        daemon.url + "/indexes/by_age/scan",
+        params={"eq": "1234", "consistency": "request_plus"},
+        timeout=30,
+    )
+    assert got.status_code == 200 and [e["id"] for e in ndjson(got)] == ["the-last-one"]
+    # `any` never blocks, whatever the daemon holds.
+    started = time.monotonic()
+    assert httpx.get(daemon.url + "/indexes/by_age/count").status_code == 200
+    assert time.monotonic() - started < 1
+    vb = vbucket_of(b"the-last-one", 1024)
+    future = httpx.get(
+        daemon.url + "/indexes/by_age/scan",
+        params={"consistency": "at_plus", "at_plus": json.dumps({vb: 10**6}), "timeout": "0.5"},
+        timeout=30,
+    )
+    assert future.status_code == 504 and "timed out" in future.json()["error"]
+    assert daemon.stop() == 0
+
+
+def test_a_pinned_snapshot_is_unchanged_by_later_writes(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory().start()
+    first = list(generate(Workload(4_000, 800, 0.1, 13)))
+    assert run_feed(daemon, write_jsonl(tmp_path / "a.jsonl", first)).returncode == 0
+    pin = httpx.post(daemon.url + "/snapshots/pin", json={"snapshot": "persisted"}).json()
+    before = ndjson(httpx.get(daemon.url + "/indexes/by_age/scan", params={"pin": pin["id"]}))
+    more = list(generate(Workload(4_000, 800, 0.5, 14)))  # same ids: updates and deletes
+    assert run_feed(daemon, write_jsonl(tmp_path / "b.jsonl", first + more)).returncode == 0
+    after_pinned = ndjson(httpx.get(daemon.url + "/indexes/by_age/scan", params={"pin": pin["id"]}))
+    latest = ndjson(httpx.get(daemon.url + "/indexes/by_age/scan"))
+    assert after_pinned == before == model(first, ["age"])
+    assert latest == model(first + more, ["age"]) != before
+    listed = httpx.get(daemon.url + "/snapshots").json()["pinned"]
+    assert [p["id"] for p in listed] == [pin["id"]]
+    assert httpx.delete(f"{daemon.url}/snapshots/{pin['id']}").status_code == 204
+    gone = httpx.get(daemon.url + "/indexes/by_age/scan", params={"pin": pin["id"]})
+    assert gone.status_code == 404
+    assert httpx.get(daemon.url + "/stats").json()["snapshots"]["pins"] == 0
+    assert daemon.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "path, params, status",
+    [
+        ("/indexes/nope/scan", {}, 404),
+        ("/indexes/..%2Fetc/scan", {}, 404),
+        ("/indexes/by_age/scan", {"low": "[1, 2, 3]"}, 400),
+        ("/indexes/by_age/scan", {"low": "{not json"}, 400),
+        ("/indexes/by_age/scan", {"consistency": "sometimes"}, 400),
+        ("/indexes/by_age/scan", {"limit": "-1"}, 400),
+        ("/indexes/by_age/scan", {"limit": "2.5"}, 400),
+        ("/indexes/by_age/scan", {"eq": "1", "low": "0"}, 400),
+        ("/indexes/by_age/scan", {"consistency": "at_plus"}, 400),
+        ("/indexes/by_age/scan", {"inclusion": "maybe", "low": "1"}, 400),
+        ("/indexes/by_age/scan", {"pin": "p999"}, 404),
+        ("/nothing", {}, 404),
+    ],
+)
+def test_bad_requests_get_a_4xx_with_a_message(
+    daemon_factory: Any, path: str, params: dict[str, str], status: int
+) -> None:
+    daemon = daemon_factory().start()
+    response = httpx.get(daemon.url + path, params=params)
+    assert response.status_code == status
+    assert response.json()["error"]
+    assert httpx.post(daemon.url + "/indexes/by_age/scan").status_code == 405
+    assert httpx.get(daemon.url + "/health").status_code == 200
+    assert daemon.stop() == 0
