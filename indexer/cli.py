@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -119,13 +119,16 @@ def feed(
         fail(f"--to: {exc.message}", 2)
     if (jsonl is None) == (generate is None):
         fail("give exactly one of --jsonl FILE and --generate N", 2)
-    documents: Iterator[Document]
+    # A factory, so the feed can start over after the indexer's indexes change.
+    documents: Callable[[], Iterator[Document]]
     if jsonl is not None:
-        documents = read_jsonl(jsonl)
+        path = jsonl
+        documents = lambda: read_jsonl(path)  # noqa: E731
         total = None
     else:
         assert generate is not None
-        documents = generate_documents(Workload(generate, keys or 0, delete_ratio, seed))
+        workload = Workload(generate, keys or 0, delete_ratio, seed)
+        documents = lambda: generate_documents(workload)  # noqa: E731
         total = generate
     bar: Any = (
         click.progressbar(length=total, label="feeding", file=sys.stderr)
@@ -318,3 +321,42 @@ def scan(
         fail(f"cannot reach the daemon at {base}: {exc}")
     except BrokenPipeError:
         sys.stderr.close()
+
+
+@main.command("create-index")
+@click.argument("name")
+@click.option("--keys", required=True, help="Field paths of the key, comma-separated.")
+@URL_OPTION
+@CONFIG_OPTION
+def create_index(name: str, keys: str, url: str | None, config_file: Path | None) -> None:
+    """Create index NAME on a running daemon; it indexes what is streamed from now on."""
+    import httpx
+
+    base = _http_url(url, config_file)
+    body = {"name": name, "keys": [k.strip() for k in keys.split(",") if k.strip()]}
+    try:
+        response = httpx.post(f"{base}/indexes", json=body, timeout=120)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {base}: {exc}")
+    if response.status_code != 201:
+        _http_error(response)
+    created = response.json()
+    click.echo(f"created {created['name']}({', '.join(created['keys'])}): {created['state']}")
+
+
+@main.command("drop-index")
+@click.argument("name")
+@URL_OPTION
+@CONFIG_OPTION
+def drop_index(name: str, url: str | None, config_file: Path | None) -> None:
+    """Drop index NAME on a running daemon and delete its entries."""
+    import httpx
+
+    base = _http_url(url, config_file)
+    try:
+        response = httpx.delete(f"{base}/indexes/{name}", timeout=600)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {base}: {exc}")
+    if response.status_code != 204:
+        _http_error(response)
+    click.echo(f"dropped {name}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import trio
 
+from indexer.catalog import IndexCatalog
 from indexer.config import Config
 from indexer.dispatch import dispatch
 from indexer.http import DaemonView, HttpApi
@@ -154,6 +155,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             to_dispatch,
             server.max_frame_bytes,
         )
+        catalog = IndexCatalog(store, indexes, reader, workers, timekeeper, cache, to_dispatch)
         view = DaemonView(
             store,
             indexes,
@@ -165,6 +167,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             throttle,
             timekeeper,
             config.snapshots.in_memory_interval_s,
+            catalog,
         )
         try:
             async with trio.open_nursery() as services:

@@ -2,6 +2,7 @@
 
 All connection readers send into one channel; the dispatcher splits each list so that worker
 `vb % workers` gets every item of vbucket `vb`, in arrival order, again as one list per send.
+An IndexChange marker goes to every worker.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 
 import trio
 
-from workers.worker import StreamItem
+from workers.worker import IndexChange, StreamItem
 
 
 async def dispatch(
@@ -27,7 +28,11 @@ async def dispatch(
                     continue
                 lists: list[list[StreamItem]] = [[] for _ in range(n)]
                 for item in items:
-                    lists[item.vbucket % n].append(item)
+                    if isinstance(item, IndexChange):
+                        for batch in lists:  # every worker must see it
+                            batch.append(item)
+                    else:
+                        lists[item.vbucket % n].append(item)
                 for worker, batch in zip(workers, lists, strict=True):
                     if batch:
                         await worker.send(batch)

@@ -36,7 +36,10 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from indexer.catalog import CatalogError, IndexCatalog
+from indexer.config import FIELD_PATH, INDEX_NAME, MAX_KEYS
 from indexer.keys import MISSING
+from indexer.protocol import IndexDefinition
 from indexer.reader import StreamRegistry
 from indexer.scans import (
     KeyRange,
@@ -64,6 +67,7 @@ DEFAULT_LEASE_S = 600.0
 MAX_LEASE_S = 86400.0
 CONSISTENCIES = ("any", "request_plus", "at_plus")
 INDEX_ROUTE = re.compile(r"^/indexes/([A-Za-z][A-Za-z0-9_]{0,63})/(scan|count|splits)$")
+INDEX_ITEM = re.compile(r"^/indexes/([A-Za-z][A-Za-z0-9_]{0,63})$")
 PIN_ROUTE = re.compile(r"^/snapshots/(p\d+)$")
 
 Scope = dict[str, Any]
@@ -95,6 +99,7 @@ class DaemonView:
     throttle: MemoryThrottle
     timekeeper: Timekeeper
     in_memory_interval_s: float
+    catalog: IndexCatalog | None = None
     ready: bool = False
 
 
@@ -147,8 +152,15 @@ class HttpApi:
             body = generate_latest(self.metrics)
             await _respond(send, 200, body, "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/indexes":
+            if method == "POST":
+                await self.create_index(await _body_json(receive), send)
+                return
             _only(method, "GET")
             await _json(send, 200, {"indexes": self.index_list()})
+        elif match := INDEX_ITEM.match(path):
+            _only(method, "DELETE")
+            await self._catalog_call(self._catalog().drop(match.group(1)))
+            await _respond(send, 204, b"", "text/plain")
         elif path == "/snapshots":
             _only(method, "GET")
             await _json(send, 200, self.snapshot_list())
@@ -172,6 +184,38 @@ class HttpApi:
             raise ApiError(404, "no such route: index names are a letter then letters, digits, _")
         else:
             raise ApiError(404, f"no such route: {path}")
+
+    # ---------------------------------------------------------------------------- catalog
+
+    def _catalog(self) -> IndexCatalog:
+        if self.view.catalog is None:
+            raise ApiError(503, "indexes cannot be changed now")
+        return self.view.catalog
+
+    async def _catalog_call(self, call: Awaitable[Any]) -> Any:
+        try:
+            return await call
+        except CatalogError as exc:
+            raise ApiError(exc.status, exc.message) from None
+
+    async def create_index(self, body: dict[str, Any], send: Send) -> None:
+        name = body.get("name")
+        keys = body.get("keys")
+        if not isinstance(name, str) or not INDEX_NAME.match(name):
+            raise ApiError(400, "name: a letter, then up to 63 letters, digits or _")
+        if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_KEYS:
+            raise ApiError(400, f"keys: a list of 1 to {MAX_KEYS} field paths")
+        for path in keys:
+            if not isinstance(path, str) or not FIELD_PATH.match(path):
+                raise ApiError(400, f"keys: {path!r} is not a field path like address.zip")
+        if body.get("where") is not None:
+            raise ApiError(400, "where: partial indexes are not supported yet")
+        unknown = set(body) - {"name", "keys", "where"}
+        if unknown:
+            raise ApiError(400, f"{sorted(unknown)[0]}: unknown member")
+        definition = IndexDefinition(name, tuple(keys))
+        stored = await self._catalog_call(self._catalog().create(definition))
+        await _json(send, 201, self._index_entry(stored, 0))
 
     # ---------------------------------------------------------------------------- snapshots
 
@@ -395,17 +439,20 @@ class HttpApi:
 
     # ---------------------------------------------------------------------------- state
 
+    def _index_entry(self, index: StoredIndex, entries: int) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": index.definition.name,
+            "keys": list(index.definition.keys),
+            "state": index.state,
+            "entries": entries,
+        }
+        if index.state == "incremental":
+            out["note"] = "created at run time: holds the mutations streamed since its creation"
+        return out
+
     def index_list(self) -> list[dict[str, Any]]:
         counts = self.view.timekeeper.statistics().entry_counts
-        return [
-            {
-                "name": i.definition.name,
-                "keys": list(i.definition.keys),
-                "state": "active",
-                "entries": counts[j],
-            }
-            for j, i in enumerate(self.view.indexes)
-        ]
+        return [self._index_entry(i, counts[j]) for j, i in enumerate(self.view.indexes)]
 
     def stats(self) -> dict[str, Any]:
         v = self.view

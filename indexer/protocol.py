@@ -72,6 +72,7 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 9
     INTERNAL = 10
     BAD_MUTATION = 11  # a record that does not match the index definitions
+    INDEXES_CHANGED = 12  # an index was created or dropped: handshake again for the new keys
 
 
 class ProtocolError(Exception):

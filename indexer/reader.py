@@ -226,10 +226,42 @@ class Reader:
         self.items = items
         self.max_frame_bytes = max_frame_bytes
         self._ids = itertools.count(1)
+        self._open = trio.Event()
+        self._open.set()
+        self._live: dict[int, trio.CancelScope] = {}
+        self._kick: tuple[ErrorCode, str] | None = None
+
+    def close_connections(self, code: ErrorCode, message: str) -> None:
+        """Stop accepting and close every connection with an error frame saying why."""
+        self._open = trio.Event()
+        self._kick = (code, message)
+        log.info("closing %d router connections (%s): %s", len(self._live), code.name, message)
+        for scope in self._live.values():
+            scope.cancel()
+
+    @property
+    def connected(self) -> int:
+        return len(self._live)
+
+    def reopen(self, indexes: Sequence[p.IndexDefinition]) -> None:
+        """Accept connections again, handshaking with these index definitions."""
+        self.indexes = tuple(indexes)
+        self._kick = None
+        self._open.set()
 
     async def handle(self, stream: trio.abc.Stream) -> None:
         """The task of one connection (given to trio.serve_tcp)."""
-        conn = Connection(next(self._ids), self.registry, len(self.indexes))
+        await self._open.wait()
+        conn_id = next(self._ids)
+        with trio.CancelScope() as scope:
+            self._live[conn_id] = scope
+            try:
+                await self._handle(stream, conn_id)
+            finally:
+                del self._live[conn_id]
+
+    async def _handle(self, stream: trio.abc.Stream, conn_id: int) -> None:
+        conn = Connection(conn_id, self.registry, len(self.indexes))
         peer = _peer(stream)
         reg = self.registry
         reg.connections += 1
@@ -257,7 +289,11 @@ class Reader:
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     log.info("router %s disconnected: %s", peer, exc)
                 except trio.Cancelled:
-                    await refuse(ErrorCode.SHUTTING_DOWN, "the indexer is shutting down")
+                    code, message = self._kick or (
+                        ErrorCode.SHUTTING_DOWN,
+                        "the indexer is shutting down",
+                    )
+                    await refuse(code, message)
                     raise
                 except Exception as exc:
                     # A bug must cost this connection only, never the daemon or other routers.

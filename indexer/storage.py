@@ -36,10 +36,16 @@ class StoreLockedError(StoreError):
 
 @dataclass(frozen=True)
 class StoredIndex:
-    """An index as the store knows it: its definition and the prefixes of its entries."""
+    """An index as the store knows it: its definition and the prefixes of its entries.
+
+    `state` is "active" for indexes defined in the configuration at their first start, and
+    "incremental" for indexes created at run time: those hold the mutations streamed after
+    their creation only (building them over earlier data comes later).
+    """
 
     definition: IndexDefinition
     index_id: int
+    state: str = "active"
 
     @property
     def main_prefix(self) -> bytes:
@@ -80,7 +86,8 @@ class IndexStore:
         if raw is not None:
             for name, item in json.loads(raw).items():
                 definition = IndexDefinition(name, tuple(item["keys"]))
-                self._indexes[name] = StoredIndex(definition, int(item["id"]))
+                state = item.get("state", "active")
+                self._indexes[name] = StoredIndex(definition, int(item["id"]), state)
 
     def close(self) -> None:
         self.db.close()
@@ -103,34 +110,74 @@ class IndexStore:
             raise StoreError(f"no index named {name!r} in the store (indexes: {known})") from None
 
     def ensure_indexes(self, definitions: Sequence[IndexDefinition]) -> list[StoredIndex]:
-        """The stored form of each definition, registering new ones.
+        """Every stored index, after registering the given definitions that are new.
 
-        An index whose key paths differ from the stored ones is an error: its entries would mix
-        two definitions.
+        Indexes created at run time stay until dropped. An index whose key paths differ from
+        the stored ones is an error: its entries would mix two definitions.
         """
-        out = []
-        changed = False
         for definition in definitions:
             stored = self._indexes.get(definition.name)
             if stored is None:
-                next_id = max((s.index_id for s in self._indexes.values()), default=0) + 1
-                stored = StoredIndex(definition, next_id)
-                self._indexes[definition.name] = stored
-                changed = True
+                self._register(definition, "active")
             elif stored.definition.keys != definition.keys:
                 raise StoreError(
                     f"index {definition.name!r} is stored with keys "
                     f"{list(stored.definition.keys)}, not {list(definition.keys)}; "
-                    "use a new index name or a new data directory"
+                    "use a new index name, drop the index, or use a new data directory"
                 )
-            out.append(stored)
-        if changed:
-            meta = {
-                s.definition.name: {"id": s.index_id, "keys": list(s.definition.keys)}
-                for s in self._indexes.values()
+        return self.all_indexes()
+
+    def all_indexes(self) -> list[StoredIndex]:
+        """The indexes in the order of their ids: the order of keys in every record."""
+        return sorted(self._indexes.values(), key=lambda s: s.index_id)
+
+    def _register(self, definition: IndexDefinition, state: str) -> StoredIndex:
+        next_id = max((s.index_id for s in self._indexes.values()), default=0) + 1
+        if next_id > 0xFFFF:
+            raise StoreError("index ids are exhausted; compact into a new data directory")
+        stored = StoredIndex(definition, next_id, state)
+        self._indexes[definition.name] = stored
+        self._save_meta()
+        return stored
+
+    def _save_meta(self) -> None:
+        meta = {
+            s.definition.name: {
+                "id": s.index_id,
+                "keys": list(s.definition.keys),
+                "state": s.state,
             }
-            self.db.put(_META_INDEXES, json.dumps(meta).encode(), sync=True)
-        return out
+            for s in self._indexes.values()
+        }
+        self.db.put(_META_INDEXES, json.dumps(meta).encode(), sync=True)
+
+    def create_index(self, definition: IndexDefinition) -> StoredIndex:
+        """Register an index created at run time (state "incremental")."""
+        if definition.name in self._indexes:
+            raise StoreError(f"an index named {definition.name!r} exists")
+        return self._register(definition, "incremental")
+
+    def drop_index(self, name: str) -> StoredIndex:
+        """Forget an index; its entries stay until `delete_entries` (run it in a thread)."""
+        stored = self.index(name)
+        del self._indexes[name]
+        self._save_meta()
+        return stored
+
+    def delete_entries(self, index: StoredIndex, batch_size: int = 10_000) -> int:
+        """Delete every main and back entry of a dropped index (blocking); how many."""
+        deleted = 0
+        for prefix in (index.main_prefix, index.back_prefix):
+            keys: list[bytes] = []
+            for key in self.db.iterator(prefix=prefix, include_value=False):
+                keys.append(key)
+                if len(keys) >= batch_size:
+                    self.write((), keys)
+                    deleted += len(keys)
+                    keys = []
+            self.write((), keys)
+            deleted += len(keys)
+        return deleted
 
     def write(self, puts: Sequence[tuple[bytes, bytes]], deletes: Sequence[bytes]) -> None:
         """Apply deletes then puts as one WriteBatch (blocking: call it from a worker thread)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -102,6 +102,8 @@ class Timekeeper:
         # What the store may hold beyond the stable timestamp after a flush under memory pressure.
         self._store_high = list(start.seqnos)
         self._stopping = trio.Event()
+        # Flushes of one worker must not overlap: a later batch could land before an earlier one.
+        self._flush_lock = trio.Lock()
         self._flushes = 0
         self._memory_flushes = 0
         self._mutations = 0
@@ -149,13 +151,28 @@ class Timekeeper:
             return True
         if any(w.blocked for w in self.workers):
             # The queues are full of snapshots not yet complete: write them without publishing.
-            high = self.hwt.high_water().seqnos
-            await self._flush_all(high)
-            self._store_high = [max(a, b) for a, b in zip(self._store_high, high, strict=True)]
+            await self.drain_all()
             self._memory_flushes += 1
         return False
 
+    async def drain_all(self, then: Callable[[], None] | None = None) -> None:
+        """Write everything queued, aligned or not, without publishing it (see `cut`).
+
+        `then` runs before any other flush can start: the index catalog changes the writers
+        there.
+        """
+        high = self.hwt.high_water().seqnos
+        async with self._flush_lock:
+            await self._flush_workers(high)
+            self._store_high = [max(a, b) for a, b in zip(self._store_high, high, strict=True)]
+            if then is not None:
+                then()
+
     async def _flush_all(self, upto: Sequence[int]) -> None:
+        async with self._flush_lock:
+            await self._flush_workers(upto)
+
+    async def _flush_workers(self, upto: Sequence[int]) -> None:
         results = []
 
         async def flush_one(worker: Worker) -> None:

@@ -52,6 +52,18 @@ class BackIndexCache:
                 keys[j] = key
         self.entries = {docid: tuple(keys) for docid, keys in entries.items()}
 
+    def add_index(self) -> None:
+        """A new last index: no document is in it yet."""
+        self.nindexes += 1
+        self.entries = {docid: (*keys, b"") for docid, keys in self.entries.items()}
+
+    def remove_index(self, position: int) -> None:
+        """Forget the keys of the index at `position`."""
+        self.nindexes -= 1
+        self.entries = {
+            docid: keys[:position] + keys[position + 1 :] for docid, keys in self.entries.items()
+        }
+
     def trim(self) -> None:
         """Evict the oldest half once over capacity."""
         if len(self.entries) <= self.capacity:

@@ -21,7 +21,27 @@ from indexer.timekeeper import HighWaterTimestamp
 from slab import MutationRing, SlabPool
 from workers.flush import FlushResult, IndexWriter
 
-StreamItem = StreamBegin | SnapshotMarker | MutationBatch
+
+class IndexChange:
+    """A marker sent through every worker's channel before the index definitions change.
+
+    When every worker has taken it, everything received before the change is in the rings.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._pending = workers
+        self._arrived = trio.Event()
+
+    def arrive(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self._arrived.set()
+
+    async def wait(self) -> None:
+        await self._arrived.wait()
+
+
+StreamItem = StreamBegin | SnapshotMarker | MutationBatch | IndexChange
 
 log = logging.getLogger("indexer.worker")
 STALL_LOG_INTERVAL_S = 10.0
@@ -81,6 +101,8 @@ class Worker:
                         hwt.record_marker(item.vbucket, item.start, item.end)
                     elif type(item) is StreamBegin:
                         hwt.record_begin(item.vbucket, item.vbuuid)
+                    elif type(item) is IndexChange:
+                        item.arrive()
 
     async def _enqueue(self, batch: MutationBatch) -> None:
         n = len(batch.seqnos)

@@ -25,6 +25,13 @@ SEND_BYTES = 256 * 1024
 class FeedError(Exception):
     """The feed cannot go on; the message is one line for the user."""
 
+    def __init__(self, message: str, code: p.ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+MAX_RECONNECTS = 20
+
 
 def default_vbuuid(vbucket: int) -> int:
     """The vbuuid of a vbucket's history for a router without failovers: stable across runs."""
@@ -144,7 +151,10 @@ class _Peer:
 
     def _handle(self, message: p.Message) -> None:
         if isinstance(message, p.Error):
-            raise FeedError(f"the indexer refused the feed: {message.code.name}: {message.message}")
+            raise FeedError(
+                f"the indexer refused the feed: {message.code.name}: {message.message}",
+                message.code,
+            )
         if isinstance(message, p.Ack):
             for position in message.positions:
                 self.acked[position.vbucket] = position.seqno
@@ -159,7 +169,7 @@ class _Peer:
 async def feed(
     host: str,
     port: int,
-    documents: Iterable[Document],
+    documents: Iterable[Document] | Callable[[], Iterable[Document]],
     *,
     wait_persisted: bool = True,
     router_name: str = "indexer-feed",
@@ -167,7 +177,33 @@ async def feed(
     num_vbuckets: int = 1024,
 ) -> FeedResult:
     """Stream `documents` to the indexer at host:port; with `wait_persisted`, return only once
-    an ack says everything sent is in a persisted snapshot."""
+    an ack says everything sent is in a persisted snapshot.
+
+    Given a callable that makes the documents afresh, the feed reconnects when the indexer's
+    indexes change (INDEXES_CHANGED): it handshakes again, learns the new index keys, and
+    resumes from the restart timestamp.
+    """
+    for _ in range(MAX_RECONNECTS):
+        source = documents() if callable(documents) else documents
+        try:
+            return await _feed_once(
+                host, port, source, wait_persisted, router_name, progress, num_vbuckets
+            )
+        except FeedError as exc:
+            if exc.code is not p.ErrorCode.INDEXES_CHANGED or not callable(documents):
+                raise
+    raise FeedError(f"the indexer changed its indexes {MAX_RECONNECTS} times during the feed")
+
+
+async def _feed_once(
+    host: str,
+    port: int,
+    documents: Iterable[Document],
+    wait_persisted: bool,
+    router_name: str,
+    progress: Callable[[int], None] | None,
+    num_vbuckets: int,
+) -> FeedResult:
     try:
         stream = await trio.open_tcp_stream(host, port)
     except OSError as exc:

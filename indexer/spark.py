@@ -1,0 +1,951 @@
+"""A Spark 4 Python Data Source over the indexer: `spark.read.format("indexer")`.
+
+    from indexer.spark import session
+    spark = session("my-job")                     # PYSPARK_PYTHON, pushdown on, source registered
+    df = (spark.read.format("indexer")
+          .option("url", "http://127.0.0.1:9102")  # or .option("path", DATA_DIR): offline
+          .option("index", "by_city")
+          .load())
+
+Planning (a Python worker on the driver) pins one snapshot through the daemon's HTTP API (or,
+offline, notes the persisted snapshot file), asks for key ranges of about equal size and turns
+each into a partition; every partition reads that snapshot as Arrow record batches. Range
+filters on the leading key column narrow the scanned key range. See docs/spark.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import struct
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import SparkSession
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    InputPartition,
+    IsNotNull,
+    LessThan,
+    LessThanOrEqual,
+)
+from pyspark.sql.types import (
+    BooleanType,
+    ByteType,
+    DataType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from indexer.keys import MISSING, encode_key
+from indexer.scans import AFTER_PREFIX, KeyRange, Row, column_names, iterate, splits
+from indexer.storage import IndexStore, StoredIndex, StoreError, StoreLockedError
+
+FORMAT = "indexer"
+ARROW_STREAM = "application/vnd.apache.arrow.stream"
+DEFAULT_PARTITIONS = 4
+DEFAULT_LEASE_S = 600.0
+DEFAULT_TIMEOUT_S = 120.0
+SNAPSHOTS = ("persisted", "stable")
+JSON_TEXT = "indexer.json_text"  # field metadata marking a column of JSON text (the default)
+OFFLINE_CHUNK_ROWS = 100_000  # rows read per hold of an offline store's lock
+BATCH_ROWS = 16_384  # rows per Arrow record batch built offline
+PLANNING_LOCK_WAIT_S = 3.0  # how long planning waits for an offline store held by another reader
+
+class IndexerSourceError(Exception):
+    """The source cannot read: bad options, the daemon said no, the store is held. One line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """The reader's options, checked once."""
+
+    index: str
+    url: str | None = None
+    path: str | None = None
+    partitions: int | None = None
+    snapshot: str = "persisted"
+    at_plus: dict[str, int] | None = None
+    pin: str | None = None
+    lease_s: float = DEFAULT_LEASE_S
+    timeout: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def where(self) -> str:
+        return self.url if self.url is not None else f"data directory {self.path}"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        """Options as given to `spark.read.option(...)` (keys are case-insensitive)."""
+        opts = {k.lower(): v for k, v in options.items()}
+        known = {"index", "url", "path", "partitions", "snapshot", "consistency", "at_plus",
+                 "pin", "lease_s", "timeout"}  # fmt: skip
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise IndexerSourceError(
+                f"unknown option {unknown[0]!r}; known: {', '.join(sorted(known))}"
+            )
+        index = opts.get("index", "")
+        if not index:
+            raise IndexerSourceError('give the index to read: .option("index", "NAME")')
+        url, path = opts.get("url") or None, opts.get("path") or None
+        if (url is None) == (path is None):
+            raise IndexerSourceError(
+                'give exactly one of .option("url", "http://HOST:PORT") (a running daemon) '
+                'and .option("path", DATA_DIR) (a stopped node\'s data directory)'
+            )
+        snapshot = opts.get("snapshot", opts.get("consistency", "persisted"))
+        if snapshot not in SNAPSHOTS:
+            raise IndexerSourceError(f'snapshot: "persisted" or "stable", not {snapshot!r}')
+        at_plus = _at_plus(opts["at_plus"]) if opts.get("at_plus") else None
+        pin = opts.get("pin") or None
+        if path is not None and (
+            at_plus is not None or pin is not None or snapshot != "persisted"
+        ):
+            raise IndexerSourceError(
+                "offline reads (path) give the persisted snapshot only: snapshot, at_plus and "
+                "pin need the url option"
+            )
+        if pin is not None and at_plus is not None:
+            raise IndexerSourceError("give pin or at_plus, not both")
+        return cls(
+            index=index,
+            url=url.rstrip("/") if url else None,
+            path=path,
+            partitions=_whole(opts, "partitions", 1, 10_000),
+            snapshot=snapshot,
+            at_plus=at_plus,
+            pin=pin,
+            lease_s=_positive(opts, "lease_s", DEFAULT_LEASE_S),
+            timeout=_positive(opts, "timeout", DEFAULT_TIMEOUT_S),
+        )
+
+
+def _at_plus(text: str) -> dict[str, int]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise IndexerSourceError(f"at_plus: not JSON: {text[:80]!r}") from None
+    if isinstance(value, list):
+        value = {str(vb): s for vb, s in enumerate(value)}
+    if not isinstance(value, dict) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value.values()
+    ):
+        raise IndexerSourceError('at_plus: {"VBUCKET": SEQNO, ...} with whole seqnos >= 0')
+    return {str(k): int(v) for k, v in value.items()}
+
+
+def _whole(opts: Mapping[str, str], name: str, low: int, high: int) -> int | None:
+    if name not in opts:
+        return None
+    try:
+        value = int(opts[name])
+    except ValueError:
+        raise IndexerSourceError(f"{name}: a whole number, not {opts[name]!r}") from None
+    if not low <= value <= high:
+        raise IndexerSourceError(f"{name}: from {low} to {high}, not {value}")
+    return value
+
+
+def _positive(opts: Mapping[str, str], name: str, default: float) -> float:
+    if name not in opts:
+        return default
+    try:
+        value = float(opts[name])
+    except ValueError:
+        raise IndexerSourceError(f"{name}: a number of seconds, not {opts[name]!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise IndexerSourceError(f"{name}: a number of seconds above 0, not {opts[name]!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# The daemon's HTTP API (stdlib only: executors need nothing beyond pyarrow)
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A snapshot the daemon holds for readers until released or `lease_s` after pinning."""
+
+    id: str
+    snapshot: int
+    seqno_sum: int
+    lease_s: float
+    url: str
+
+
+def _http(
+    method: str,
+    url: str,
+    path: str,
+    *,
+    params: Mapping[str, Any] | None = None,
+    body: Any = None,
+    accept: str = "application/json",
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Any:
+    """Send one request; the open response on 2xx, else IndexerSourceError naming the cause."""
+    query = ("?" + urllib.parse.urlencode(params)) if params else ""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url + path + query, data=data, method=method)
+    request.add_header("Accept", accept)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            message = json.loads(raw)["error"]
+        except (ValueError, KeyError, TypeError):
+            message = raw.decode("utf-8", "replace").strip()[:200] or exc.reason
+        raise IndexerSourceError(
+            f"indexer at {url}: {method} {path}: HTTP {exc.code}: {message}"
+        ) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise IndexerSourceError(f"cannot reach the indexer at {url}: {reason}") from None
+
+
+def _json_call(method: str, url: str, path: str, **kwargs: Any) -> Any:
+    with _http(method, url, path, **kwargs) as response:
+        return json.loads(response.read())
+
+
+def pin_snapshot(
+    url: str,
+    snapshot: str = "persisted",
+    *,
+    at_plus: Mapping[str, int] | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Pin:
+    """Pin the latest persisted (or "stable", or an at_plus) snapshot on the daemon at `url`."""
+    url = url.rstrip("/")
+    body: dict[str, Any] = {"lease_s": lease_s}
+    if at_plus is not None:
+        body.update(at_plus=dict(at_plus), timeout_s=timeout)
+    else:
+        body.update(snapshot=snapshot, timeout_s=timeout)
+    answer = _json_call("POST", url, "/snapshots/pin", body=body, timeout=timeout + 10)
+    return Pin(
+        str(answer["id"]),
+        int(answer["snapshot"]),
+        int(answer["seqno_sum"]),
+        float(answer["lease_s"]),
+        url,
+    )
+
+
+def release(url: str, pin_id: str, timeout: float = 30) -> None:
+    """Release a pin; one already released or expired is fine."""
+    with contextlib.suppress(IndexerSourceError):
+        _http("DELETE", url.rstrip("/"), f"/snapshots/{pin_id}", timeout=timeout).close()
+
+
+@contextlib.contextmanager
+def pinned(
+    url: str,
+    snapshot: str = "persisted",
+    *,
+    at_plus: Mapping[str, int] | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Iterator[Pin]:
+    """A pin for several reads (`.option("pin", pin.id)`), released on leaving the block."""
+    pin = pin_snapshot(url, snapshot, at_plus=at_plus, lease_s=lease_s, timeout=timeout)
+    try:
+        yield pin
+    finally:
+        release(url, pin.id)
+
+
+def index_keys(url: str, index: str, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """The key paths of `index` on the daemon at `url`."""
+    listing = _json_call("GET", url.rstrip("/"), "/indexes", timeout=timeout)["indexes"]
+    for item in listing:
+        if item["name"] == index:
+            return [str(k) for k in item["keys"]]
+    known = ", ".join(sorted(i["name"] for i in listing)) or "none"
+    raise IndexerSourceError(f"indexer at {url}: no index named {index!r} (indexes: {known})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline: a data directory no daemon holds
+
+
+@dataclass(frozen=True)
+class PersistedSnapshot:
+    """The persisted snapshot recorded in a data directory's snapshot file."""
+
+    seqno_sum: int
+    persisted_at: float
+    checksum: str  # of the file's bytes: a read fails if the file changes under it
+
+
+def offline_snapshot(path: str | Path) -> PersistedSnapshot | None:
+    """The data directory's persisted snapshot, or None if it never persisted one."""
+    from indexer.snapshots import SNAPSHOT_FILE, SnapshotFileError, read_snapshot_file
+
+    data_dir = Path(path)
+    try:
+        raw = (data_dir / SNAPSHOT_FILE).read_bytes()
+        count = len(json.loads(raw)["seqnos"])  # the file says how many vbuckets it holds
+        found = read_snapshot_file(data_dir, count)
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, SnapshotFileError) as exc:
+        raise IndexerSourceError(f"{data_dir}: unreadable snapshot file: {exc}") from None
+    if found is None:
+        return None
+    ts, when = found
+    return PersistedSnapshot(ts.total, when, f"{zlib.crc32(raw):08x}")
+
+
+def _open_store(path: str, wait_s: float, planning: bool = False) -> IndexStore:
+    """Open the store, waiting up to `wait_s` while another reader process holds its lock.
+
+    LevelDB lets one process open a database at a time, so Python workers reading partitions
+    of the same store take turns: each holds it only while it reads a chunk of rows.
+    """
+    deadline = time.monotonic() + wait_s
+    delay = 0.005
+    while True:
+        try:
+            return IndexStore(Path(path), create=False)
+        except StoreLockedError:
+            if time.monotonic() >= deadline:
+                if planning:
+                    raise IndexerSourceError(
+                        f"the store in {path} is held by another process (a running daemon?): "
+                        'read through the daemon with .option("url", "http://HOST:HTTP_PORT") '
+                        'instead of .option("path", ...)'
+                    ) from None
+                raise IndexerSourceError(
+                    f"the store in {path} stayed held by another process for {wait_s:g} s "
+                    "(a daemon started on it, or other readers are slow): raise the timeout "
+                    "option or use the url option"
+                ) from None
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 0.1)
+        except StoreError as exc:
+            raise IndexerSourceError(str(exc)) from None
+
+
+def _offline_keys(path: str, index: str) -> list[str]:
+    store = _open_store(path, PLANNING_LOCK_WAIT_S, planning=True)
+    try:
+        return list(_stored_index(store, index).definition.keys)
+    finally:
+        store.close()
+
+
+def _stored_index(store: IndexStore, index: str) -> StoredIndex:
+    try:
+        return store.index(index)
+    except StoreError as exc:
+        raise IndexerSourceError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Columns and conversions
+
+
+@dataclass(frozen=True)
+class Column:
+    """One output column: where its value comes from and how it is converted."""
+
+    name: str
+    position: int  # -1: the document id, else the key component
+    path: str  # the key path ("" for the id)
+    kind: str  # "id", "json" (JSON text), or a converted kind: string, boolean, integral, ...
+    arrow: Any  # the pyarrow type Spark expects
+
+
+_INT_RANGES = {"byte": 8, "short": 16, "integer": 32, "long": 64}
+_KINDS: dict[type[DataType], str] = {
+    StringType: "string",
+    BooleanType: "boolean",
+    ByteType: "byte",
+    ShortType: "short",
+    IntegerType: "integer",
+    LongType: "long",
+    FloatType: "float",
+    DoubleType: "double",
+}
+_NUMERIC = ("byte", "short", "integer", "long", "float", "double")
+
+
+def default_schema(keys: Sequence[str]) -> StructType:
+    """`id` then one STRING column of JSON text per key path (dots become underscores)."""
+    names = _key_column_names(keys)
+    fields = [StructField("id", StringType(), False)]
+    fields += [StructField(n, StringType(), True, metadata={JSON_TEXT: True}) for n in names]
+    return StructType(fields)
+
+
+def _key_column_names(keys: Sequence[str]) -> list[str]:
+    names = column_names(keys)
+    if len(set(names)) != len(names) or "id" in names:
+        raise IndexerSourceError(
+            f"key paths {list(keys)} give clashing column names {names} (or one named id)"
+        )
+    return names
+
+
+def plan_columns(schema: StructType, keys: Sequence[str]) -> list[Column]:
+    """Map each field of the read schema to the id or a key component, checking its type."""
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    names = _key_column_names(keys)
+    out = []
+    for field in schema.fields:
+        arrow = to_arrow_type(field.dataType, timezone="UTC")
+        if field.name == "id":
+            if not isinstance(field.dataType, StringType):
+                given = field.dataType.simpleString()
+                raise IndexerSourceError(f"column id is a STRING, not {given}")
+            out.append(Column("id", -1, "", "id", arrow))
+            continue
+        if field.name not in names:
+            raise IndexerSourceError(
+                f"no column {field.name!r} in the index: its columns are id, {', '.join(names)}"
+            )
+        position = names.index(field.name)
+        if field.metadata.get(JSON_TEXT) and isinstance(field.dataType, StringType):
+            kind = "json"
+        else:
+            found = _KINDS.get(type(field.dataType))
+            if found is None:
+                supported = "STRING, BOOLEAN, TINYINT, SMALLINT, INT, BIGINT, FLOAT, DOUBLE"
+                raise IndexerSourceError(
+                    f"column {field.name}: {field.dataType.simpleString()} is not supported "
+                    f"({supported})"
+                )
+            kind = found
+        out.append(Column(field.name, position, keys[position], kind, arrow))
+    return out
+
+
+def json_text(value: Any) -> str | None:
+    """A key value as the daemon's Arrow scans give it: JSON text, None for MISSING."""
+    return None if value is MISSING else json.dumps(value)
+
+
+def convert(kind: str, value: Any) -> Any:
+    """A JSON value as a column of `kind` holds it; None when it does not fit."""
+    if value is MISSING or value is None:
+        return None
+    if kind == "json":
+        return json.dumps(value)
+    if kind == "string":
+        return value if isinstance(value, str) else None
+    if kind == "boolean":
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if kind == "double":
+        return float(value)
+    if kind == "float":
+        try:
+            return struct.unpack("f", struct.pack("f", value))[0]
+        except (OverflowError, struct.error):
+            return None
+    if isinstance(value, float):
+        if not value.is_integer():
+            return None
+        value = int(value)
+    bits = _INT_RANGES[kind]
+    return value if -(1 << (bits - 1)) <= value < (1 << (bits - 1)) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Filter pushdown: a key range that holds every matching row, then the exact test on each batch
+
+_OPS: dict[type[Filter], str] = {
+    EqualTo: "eq",
+    GreaterThan: "gt",
+    GreaterThanOrEqual: "ge",
+    LessThan: "lt",
+    LessThanOrEqual: "le",
+}
+_ARROW_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    "eq": pc.equal,
+    "gt": pc.greater,
+    "ge": pc.greater_equal,
+    "lt": pc.less,
+    "le": pc.less_equal,
+}
+
+
+def _type_byte(value: Any) -> bytes:
+    return encode_key([value])[:1]
+
+
+# Encoded keys of one JSON type form one contiguous block (N1QL collation ranks the types).
+_BLOCKS: dict[str, tuple[bytes, bytes]] = {
+    "boolean": (_type_byte(False), _type_byte(0)),
+    "number": (_type_byte(0), _type_byte("")),
+    "string": (_type_byte(""), _type_byte([])),
+}
+
+
+def _literal_fits(kind: str, value: Any) -> bool:
+    if kind in ("json", "string"):
+        return isinstance(value, str)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind in ("float", "double"):
+        if isinstance(value, int):
+            return abs(value) < 1 << 1023
+        return isinstance(value, float) and math.isfinite(value)
+    return isinstance(value, int) and kind in _INT_RANGES
+
+
+def accepts(column: Column, f: Filter) -> tuple[str, Any] | None:
+    """The (op, literal) the reader applies for filter `f` on the leading key, or None."""
+    if isinstance(f, IsNotNull):
+        return ("notnull", None)
+    op = _OPS.get(type(f))
+    value: Any = getattr(f, "value", None)
+    if op is None or not _literal_fits(column.kind, value):
+        return None
+    if column.kind == "json":
+        # JSON text orders unlike the index (9 < 10 but "9" > "10"): equality only.
+        if op != "eq":
+            return None
+        try:
+            encode_key([json.loads(value)])
+        except ValueError:  # not JSON, or not a key value (NaN): Spark finds no row either
+            return None
+    return (op, value)
+
+
+def filter_range(kind: str, pushed: Sequence[tuple[str, Any]]) -> KeyRange:
+    """Encoded bounds holding every entry whose leading value can pass all `pushed` filters."""
+    if not pushed:
+        return KeyRange()
+    lows: list[bytes] = []
+    highs: list[bytes] = []
+    block = "number" if kind in _NUMERIC else kind
+    if block in _BLOCKS:  # a converted column is null outside its JSON type: no match there
+        lows.append(_BLOCKS[block][0])
+        highs.append(_BLOCKS[block][1])
+    for op, value in pushed:
+        if op == "notnull":
+            continue
+        if block == "number":
+            # Every number whose nearest double is d encodes as 0x05 + d + suffix, and Spark's
+            # value of it is at most that close: bound by the 9-byte double prefix (a superset).
+            p = encode_key([float(value)])[:9]
+            lo, hi = p, p + AFTER_PREFIX
+            if op in ("gt", "ge"):
+                lows.append(lo)
+            elif op in ("lt", "le"):
+                highs.append(hi)
+            else:
+                lows.append(lo)
+                highs.append(hi)
+            continue
+        p = encode_key([json.loads(value) if kind == "json" else value])
+        if op == "eq":
+            lows.append(p)
+            highs.append(p + AFTER_PREFIX)
+        elif op == "gt":
+            lows.append(p + AFTER_PREFIX)
+        elif op == "ge":
+            lows.append(p)
+        elif op == "lt":
+            highs.append(p)
+        else:
+            highs.append(p + AFTER_PREFIX)
+    return KeyRange(max(lows) if lows else None, min(highs) if highs else None)
+
+
+def intersect(a: KeyRange, b: KeyRange) -> KeyRange | None:
+    """The common part of two ranges, or None when it is empty."""
+    starts = [s for s in (a.start, b.start) if s is not None]
+    stops = [s for s in (a.stop, b.stop) if s is not None]
+    start = max(starts) if starts else None
+    stop = min(stops) if stops else None
+    if start is not None and stop is not None and start >= stop:
+        return None
+    return KeyRange(start, stop)
+
+
+def _apply_filters(batch: Any, index: int, pushed: Sequence[tuple[str, Any]]) -> Any:
+    """Rows of the batch whose column `index` passes every pushed filter, as Spark would say."""
+    if not pushed or batch.num_rows == 0:
+        return batch
+    column = batch.column(index)
+    mask = None
+    for op, value in pushed:
+        if op == "notnull":
+            test = pc.is_valid(column)
+        else:
+            test = _ARROW_OPS[op](column, pa.scalar(value, type=column.type))
+        mask = test if mask is None else pc.and_kleene(mask, test)
+    return batch.filter(mask)  # null in the mask drops the row, like a SQL WHERE
+
+
+# ---------------------------------------------------------------------------------------------
+# The data source
+
+
+class IndexerPartition(InputPartition):
+    """One key range of the index, read at one snapshot (a pin, or the store as it is)."""
+
+    def __init__(
+        self,
+        number: int,
+        start: bytes | None,
+        stop: bytes | None,
+        pin: str | None,
+        snapshot_checksum: str | None = None,
+        empty: bool = False,
+    ) -> None:
+        super().__init__(number)
+        self.number = number
+        self.start = start
+        self.stop = stop
+        self.pin = pin
+        self.snapshot_checksum = snapshot_checksum
+        self.empty = empty
+
+    @property
+    def bounds(self) -> KeyRange:
+        return KeyRange(self.start, self.stop)
+
+
+class IndexerDataSource(DataSource):
+    """`spark.read.format("indexer")`: options url or path, index, partitions, snapshot,
+    at_plus, pin, lease_s, timeout (docs/spark.md)."""
+
+    default_partitions: int | None = None  # set by `register` to spark's default parallelism
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> StructType:
+        options = SourceOptions.parse(self.options)
+        return default_schema(_keys(options))
+
+    def reader(self, schema: StructType) -> IndexerReader:
+        options = SourceOptions.parse(self.options)
+        parts = options.partitions or self.default_partitions or DEFAULT_PARTITIONS
+        return IndexerReader(options, schema, _keys(options), parts)
+
+
+def _keys(options: SourceOptions) -> list[str]:
+    if options.url is not None:
+        return index_keys(options.url, options.index, options.timeout)
+    assert options.path is not None
+    return _offline_keys(options.path, options.index)
+
+
+class IndexerReader(DataSourceReader):
+    """Plans partitions over one snapshot and reads each as Arrow record batches."""
+
+    def __init__(
+        self, options: SourceOptions, schema: StructType, keys: list[str], partitions: int
+    ) -> None:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        self.options = options
+        self.keys = keys
+        self.columns = plan_columns(schema, keys)
+        self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
+        self.parts = partitions
+        self.pushed: list[tuple[str, Any]] = []
+        self.pin_id: str | None = None
+        self.leading = next((i for i, c in enumerate(self.columns) if c.position == 0), None)
+
+    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
+        """Take the comparisons on the leading key column; hand every other filter back."""
+        for f in filters:
+            taken = None
+            if self.leading is not None:
+                column = self.columns[self.leading]
+                if getattr(f, "attribute", None) == (column.name,):
+                    taken = accepts(column, f)
+            if taken is None:
+                yield f
+            else:
+                self.pushed.append(taken)
+
+    def key_range(self) -> KeyRange | None:
+        """What the pushed filters leave of the key space (None: nothing)."""
+        if self.leading is None:
+            return KeyRange()
+        bounds = filter_range(self.columns[self.leading].kind, self.pushed)
+        return intersect(bounds, KeyRange())
+
+    def partitions(self) -> list[InputPartition]:
+        """Pin the snapshot, split the index into ranges of about equal size, cut by filters."""
+        wanted = self.key_range()
+        options = self.options
+        checksum = None
+        if options.url is not None:
+            if options.pin is not None:
+                pin_id = options.pin
+            else:
+                pin_id = pin_snapshot(
+                    options.url,
+                    options.snapshot,
+                    at_plus=options.at_plus,
+                    lease_s=options.lease_s,
+                    timeout=options.timeout,
+                ).id
+            self.pin_id = pin_id
+            if wanted is None:
+                return [IndexerPartition(0, None, None, pin_id, empty=True)]
+            answer = _json_call(
+                "GET",
+                options.url,
+                f"/indexes/{options.index}/splits",
+                params={"parts": self.parts, "pin": pin_id},
+                timeout=options.timeout,
+            )
+            ranges = [
+                KeyRange(
+                    bytes.fromhex(s["start"]) if s["start"] else None,
+                    bytes.fromhex(s["stop"]) if s["stop"] else None,
+                )
+                for s in answer["splits"]
+            ]
+        else:
+            assert options.path is not None
+            pin_id = None
+            found = offline_snapshot(options.path)
+            checksum = found.checksum if found else None
+            if wanted is None:
+                return [IndexerPartition(0, None, None, None, checksum, empty=True)]
+            store = _open_store(options.path, PLANNING_LOCK_WAIT_S, planning=True)
+            try:
+                stored = _stored_index(store, options.index)
+                ranges = splits(store, stored, None, self.parts)
+            finally:
+                store.close()
+        out: list[InputPartition] = []
+        for r in ranges:
+            cut = intersect(r, wanted)
+            if cut is not None:
+                out.append(IndexerPartition(len(out), cut.start, cut.stop, pin_id, checksum))
+        return out or [IndexerPartition(0, None, None, pin_id, checksum, empty=True)]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        """Arrow record batches of one partition, in index order."""
+        if not isinstance(partition, IndexerPartition) or partition.empty:
+            return
+        if self.options.url is not None:
+            batches = self._read_online(partition)
+        else:
+            batches = self._read_offline(partition)
+        for batch in batches:
+            if self.leading is not None:
+                batch = _apply_filters(batch, self.leading, self.pushed)
+            if batch.num_rows:
+                yield batch
+
+    # -- online
+
+    def _read_online(self, part: IndexerPartition) -> Iterator[Any]:
+        options = self.options
+        assert options.url is not None
+        params: dict[str, Any] = {"pin": part.pin}
+        if part.start is not None:
+            params["start"] = part.start.hex()
+        if part.stop is not None:
+            params["stop"] = part.stop.hex()
+        path = f"/indexes/{options.index}/scan"
+        try:
+            response = _http(
+                "GET", options.url, path, params=params, accept=ARROW_STREAM,
+                timeout=options.timeout,
+            )  # fmt: skip
+        except IndexerSourceError as exc:
+            if "no pin" in str(exc):
+                raise IndexerSourceError(
+                    f"{exc}: the pin lasts lease_s={options.lease_s:g} s from planning; "
+                    "raise lease_s or read again"
+                ) from None
+            raise
+        with response:
+            try:
+                stream = pa.ipc.open_stream(response)
+                for batch in stream:
+                    yield self._from_server(batch)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise IndexerSourceError(
+                    f"indexer at {options.url}: the scan stream broke off: {exc}"
+                ) from None
+
+    def _from_server(self, batch: Any) -> Any:
+        """A server batch (id, JSON text per key path) as the read schema wants it."""
+        arrays = []
+        for column in self.columns:
+            if column.kind == "id":
+                array = batch.column("id")
+            else:
+                array = batch.column(column.path)
+                if column.kind != "json":
+                    values = [
+                        None if t is None else convert(column.kind, json.loads(t))
+                        for t in array.to_pylist()
+                    ]
+                    array = pa.array(values, type=column.arrow)
+            if array.type != column.arrow:
+                array = array.cast(column.arrow)
+            arrays.append(array)
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
+
+    # -- offline
+
+    def _read_offline(self, part: IndexerPartition) -> Iterator[Any]:
+        """Read in chunks, holding the store's lock only while reading each chunk."""
+        options = self.options
+        assert options.path is not None
+        start = part.start
+        while True:
+            store = _open_store(options.path, options.timeout)
+            try:
+                found = offline_snapshot(options.path)
+                if (found.checksum if found else None) != part.snapshot_checksum:
+                    raise IndexerSourceError(
+                        f"the persisted snapshot in {options.path} changed during the read "
+                        "(a daemon ran on it): read again"
+                    )
+                stored = _stored_index(store, options.index)
+                rows = list(
+                    islice(iterate(store, stored, None, KeyRange(start, part.stop)),
+                           OFFLINE_CHUNK_ROWS)
+                )  # fmt: skip
+            finally:
+                store.close()
+            for i in range(0, len(rows), BATCH_ROWS):
+                yield self._from_rows(rows[i : i + BATCH_ROWS])
+            if len(rows) < OFFLINE_CHUNK_ROWS:
+                return
+            last = rows[-1]
+            # The entry after the last one read: its exact bytes, then the smallest successor.
+            start = encode_key(last.key) + last.docid.encode("utf-8") + b"\x00"
+
+    def _from_rows(self, rows: Sequence[Row]) -> Any:
+        arrays = []
+        for column in self.columns:
+            if column.kind == "id":
+                values: list[Any] = [r.docid for r in rows]
+            elif column.kind == "json":
+                j = column.position
+                values = [json_text(r.key[j]) for r in rows]
+            else:
+                j, kind = column.position, column.kind
+                values = [convert(kind, r.key[j]) for r in rows]
+            arrays.append(pa.array(values, type=column.arrow))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sessions
+
+_LOG4J2 = """\
+rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
+logger.hadoop.name = org.apache.hadoop.util.NativeCodeLoader
+logger.hadoop.level = error
+"""
+
+
+def _under_spark_submit() -> bool:
+    """True in a driver that spark-submit started (its JVM exists already)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def _is_local(master: str | None) -> bool:
+    return master is None or master.startswith("local")
+
+
+def configure(builder_or_conf: Any, master: str | None = None) -> Any:
+    """Settings the source needs, on a `SparkSession.Builder` or a `SparkConf` (returned).
+
+    Sets PYSPARK_PYTHON to this interpreter unless it is set (Python workers then import this
+    package and its dependencies), turns on Python filter pushdown, hides the progress bar and,
+    for a local master, binds to 127.0.0.1 (SPARK_LOCAL_IP) and keeps Spark's logs to warnings.
+    Environment settings only matter before the session's JVM starts.
+    """
+    set_conf = getattr(builder_or_conf, "config", None) or builder_or_conf.set
+    if "PYSPARK_PYTHON" not in os.environ:
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+    set_conf("spark.sql.python.filterPushdown.enabled", "true")
+    set_conf("spark.ui.showConsoleProgress", "false")
+    if _is_local(master) and not _under_spark_submit():
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        log4j = Path(tempfile.gettempdir()) / "indexer-spark-log4j2.properties"
+        if not log4j.exists() or log4j.read_text() != _LOG4J2:
+            log4j.write_text(_LOG4J2)
+        set_conf("spark.driver.extraJavaOptions", f"-Dlog4j.configurationFile=file:{log4j}")
+    return builder_or_conf
+
+
+def register(spark: SparkSession) -> type[IndexerDataSource]:
+    """Register the source as format "indexer", defaulting partitions to the parallelism."""
+    parallelism = spark.sparkContext.defaultParallelism
+    # A subclass made here is pickled by value, default included, to the planning workers.
+    source = type("RegisteredIndexerDataSource", (IndexerDataSource,),
+                  {"default_partitions": parallelism})  # fmt: skip
+    spark.dataSource.register(source)
+    return source
+
+
+def session(app_name: str, master: str | None = None) -> SparkSession:
+    """A SparkSession ready for the source: configured, registered, local[*] by default.
+
+    Under spark-submit the master comes from spark-submit unless `master` is given.
+    """
+    builder = SparkSession.builder.appName(app_name)
+    if master is None and not _under_spark_submit():
+        master = "local[*]"
+    if master is not None:
+        builder = builder.master(master)
+    configure(builder, master)
+    spark = builder.getOrCreate()
+    register(spark)
+    return spark
