@@ -183,3 +183,18 @@ def test_bad_requests_get_a_4xx_with_a_message(
     assert httpx.post(daemon.url + "/indexes/by_age/scan").status_code == 405
     assert httpx.get(daemon.url + "/health").status_code == 200
     assert daemon.stop() == 0
+
+
+def test_under_memory_pressure_scans_get_503_and_reads_pause(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    # A quota far below the daemon's own size: the throttle pauses at once and stays paused.
+    daemon = daemon_factory(memory={"quota": "8MiB"}).start()
+    time.sleep(0.5)
+    response = httpx.get(daemon.url + "/indexes/by_age/scan")
+    assert response.status_code == 503
+    assert response.headers["retry-after"] and "memory" in response.json()["error"]
+    stats = httpx.get(daemon.url + "/stats").json()["throttle"]
+    assert stats["paused"] is True and stats["pauses"] >= 1
+    assert "memory throttle: pausing reads" in daemon.log()
+    assert daemon.stop() == 0

@@ -116,3 +116,33 @@ async def test_cut_flushes_aligned_snapshots_and_persist_records_them(tmp_path: 
         keys = list(store.main_entries(indexes[0], snapshots.stable.store_snapshot))
         assert len(keys) == 7
         snapshots.close()
+
+
+class FakeStoreSnapshot:
+    """Stands in for a plyvel snapshot handle only to observe close()."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_snapshot_handles_close_when_the_last_reader_lets_go() -> None:
+    store = SnapshotStore(StabilityTimestamp.zero(N))
+    first_handle = FakeStoreSnapshot()
+    first = store.publish(StabilityTimestamp.zero(N), first_handle)
+    pin = store.pin(first, lease_s=60)
+    scan = first.acquire()
+    second_handle = FakeStoreSnapshot()
+    store.publish(StabilityTimestamp((1,) * N, (0,) * N), second_handle)
+    assert not first_handle.closed  # pinned and being scanned
+    scan.release()
+    assert not first_handle.closed
+    assert store.unpin(pin.pin_id)
+    assert first_handle.closed and not first.is_open
+    assert not store.unpin(pin.pin_id)
+    expiring = store.pin(store.stable, lease_s=0)  # type: ignore[arg-type]
+    assert store.expire_pins() == 1 and expiring.pin_id not in store.pins
+    store.close()
+    assert second_handle.closed
