@@ -430,18 +430,7 @@ def index_key(doc: JSONValue, paths: Sequence[str]) -> bytes:
     first = field_value(doc, paths[0])
     if first is MISSING:
         return b""
-    out = bytearray()
-    try:
-        _encode(first, out)
-        for i in range(1, len(paths)):
-            value = field_value(doc, paths[i])
-            if value is MISSING:
-                out.append(_T_MISSING)
-            else:
-                _encode(value, out)
-    except RecursionError:
-        raise KeyEncodingError("value is nested too deeply") from None
-    return bytes(out)
+    return encode_key([first, *(field_value(doc, path) for path in paths[1:])])
 
 
 # ---------------------------------------------------------------------------------------------

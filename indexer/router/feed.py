@@ -116,6 +116,16 @@ class StreamEncoder:
 
 
 @dataclass(frozen=True)
+class FeedSettings:
+    """How a feed behaves, whatever its documents."""
+
+    wait_persisted: bool = True
+    router_name: str = "indexer-feed"
+    progress: Callable[[int], None] | None = None
+    num_vbuckets: int = 1024
+
+
+@dataclass(frozen=True)
 class FeedResult:
     sent: int
     skipped: int
@@ -183,12 +193,11 @@ async def feed(
     indexes change (INDEXES_CHANGED): it handshakes again, learns the new index keys, and
     resumes from the restart timestamp.
     """
+    settings = FeedSettings(wait_persisted, router_name, progress, num_vbuckets)
     for _ in range(MAX_RECONNECTS):
         source = documents() if callable(documents) else documents
         try:
-            return await _feed_once(
-                host, port, source, wait_persisted, router_name, progress, num_vbuckets
-            )
+            return await _feed_once(host, port, source, settings)
         except FeedError as exc:
             if exc.code is not p.ErrorCode.INDEXES_CHANGED or not callable(documents):
                 raise
@@ -196,13 +205,7 @@ async def feed(
 
 
 async def _feed_once(
-    host: str,
-    port: int,
-    documents: Iterable[Document],
-    wait_persisted: bool,
-    router_name: str,
-    progress: Callable[[int], None] | None,
-    num_vbuckets: int,
+    host: str, port: int, documents: Iterable[Document], settings: FeedSettings
 ) -> FeedResult:
     try:
         stream = await trio.open_tcp_stream(host, port)
@@ -212,9 +215,7 @@ async def _feed_once(
         peer = _Peer(stream)
         try:
             try:
-                return await _run(
-                    stream, peer, documents, wait_persisted, router_name, progress, num_vbuckets
-                )
+                return await _run(stream, peer, documents, settings)
             except BaseExceptionGroup as group:
                 raise _leaf(group) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as exc:
@@ -247,16 +248,12 @@ def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 async def _run(
-    stream: trio.SocketStream,
-    peer: _Peer,
-    documents: Iterable[Document],
-    wait_persisted: bool,
-    router_name: str,
-    progress: Callable[[int], None] | None,
-    num_vbuckets: int,
+    stream: trio.SocketStream, peer: _Peer, documents: Iterable[Document], settings: FeedSettings
 ) -> FeedResult:
     # Ask for every vbucket; the reply says which this node owns and where each resumes.
-    handshake = p.Handshake(router_name, num_vbuckets, tuple(range(num_vbuckets)))
+    n = settings.num_vbuckets
+    handshake = p.Handshake(settings.router_name, n, tuple(range(n)))
+    progress = settings.progress
     await stream.send_all(p.encode(handshake))
     reply = await peer.next_message()
     if isinstance(reply, p.Error):
@@ -289,7 +286,7 @@ async def _run(
             progress(count)
         targets = encoder.targets()
         persisted = False
-        if wait_persisted:
+        if settings.wait_persisted:
             while any(peer.acked.get(vb, 0) < seqno for vb, seqno in targets.items()):
                 await peer.changed.wait()
             persisted = True
