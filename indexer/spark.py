@@ -1,7 +1,7 @@
 """A Spark 4 Python Data Source over the indexer: `spark.read.format("indexer")`.
 
     from indexer.spark import session
-    spark = session("my-job")                     # PYSPARK_PYTHON, pushdown on, source registered
+    spark = session("my-job")                     # PYSPARK_PYTHON set, source registered
     df = (spark.read.format("indexer")
           .option("url", "http://127.0.0.1:9102")  # or .option("path", DATA_DIR): offline
           .option("index", "by_city")
@@ -16,6 +16,7 @@ filters on the leading key column narrow the scanned key range. See docs/spark.m
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import math
 import os
@@ -73,10 +74,12 @@ DEFAULT_PARTITIONS = 4
 DEFAULT_LEASE_S = 600.0
 DEFAULT_TIMEOUT_S = 120.0
 SNAPSHOTS = ("persisted", "stable")
+OPTIONS = "url path index partitions snapshot consistency at_plus pin lease_s timeout pushdown"
 JSON_TEXT = "indexer.json_text"  # field metadata marking a column of JSON text (the default)
 OFFLINE_CHUNK_ROWS = 100_000  # rows read per hold of an offline store's lock
 BATCH_ROWS = 16_384  # rows per Arrow record batch built offline
 PLANNING_LOCK_WAIT_S = 3.0  # how long planning waits for an offline store held by another reader
+
 
 class IndexerSourceError(Exception):
     """The source cannot read: bad options, the daemon said no, the store is held. One line."""
@@ -99,21 +102,18 @@ class SourceOptions:
     pin: str | None = None
     lease_s: float = DEFAULT_LEASE_S
     timeout: float = DEFAULT_TIMEOUT_S
-
-    @property
-    def where(self) -> str:
-        return self.url if self.url is not None else f"data directory {self.path}"
+    # Off by default: Spark 4.3 reuses one query's pushed filters for later queries on the same
+    # DataFrame (docs/spark.md), which would silently drop rows.
+    pushdown: bool = False
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
         """Options as given to `spark.read.option(...)` (keys are case-insensitive)."""
         opts = {k.lower(): v for k, v in options.items()}
-        known = {"index", "url", "path", "partitions", "snapshot", "consistency", "at_plus",
-                 "pin", "lease_s", "timeout"}  # fmt: skip
-        unknown = sorted(set(opts) - known)
+        unknown = sorted(set(opts) - set(OPTIONS.split()))
         if unknown:
             raise IndexerSourceError(
-                f"unknown option {unknown[0]!r}; known: {', '.join(sorted(known))}"
+                f"unknown option {unknown[0]!r}; known: {', '.join(OPTIONS.split())}"
             )
         index = opts.get("index", "")
         if not index:
@@ -129,15 +129,16 @@ class SourceOptions:
             raise IndexerSourceError(f'snapshot: "persisted" or "stable", not {snapshot!r}')
         at_plus = _at_plus(opts["at_plus"]) if opts.get("at_plus") else None
         pin = opts.get("pin") or None
-        if path is not None and (
-            at_plus is not None or pin is not None or snapshot != "persisted"
-        ):
+        if path is not None and (at_plus is not None or pin is not None or snapshot != "persisted"):
             raise IndexerSourceError(
                 "offline reads (path) give the persisted snapshot only: snapshot, at_plus and "
                 "pin need the url option"
             )
         if pin is not None and at_plus is not None:
             raise IndexerSourceError("give pin or at_plus, not both")
+        pushdown = opts.get("pushdown", "false").lower()
+        if pushdown not in ("true", "false"):
+            raise IndexerSourceError(f'pushdown: "true" or "false", not {pushdown!r}')
         return cls(
             index=index,
             url=url.rstrip("/") if url else None,
@@ -148,6 +149,7 @@ class SourceOptions:
             pin=pin,
             lease_s=_positive(opts, "lease_s", DEFAULT_LEASE_S),
             timeout=_positive(opts, "timeout", DEFAULT_TIMEOUT_S),
+            pushdown=pushdown == "true",
         )
 
 
@@ -214,27 +216,47 @@ def _http(
     accept: str = "application/json",
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> Any:
-    """Send one request; the open response on 2xx, else IndexerSourceError naming the cause."""
+    """Send one request; the open response on 2xx, else IndexerSourceError naming the cause.
+
+    A 503 with Retry-After (starting, no snapshot yet, short of memory) is retried until
+    `timeout` seconds have passed.
+    """
     query = ("?" + urllib.parse.urlencode(params)) if params else ""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url + path + query, data=data, method=method)
-    request.add_header("Accept", accept)
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
-    try:
-        return urllib.request.urlopen(request, timeout=timeout)
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
+    deadline = time.monotonic() + timeout
+    while True:
+        request = urllib.request.Request(url + path + query, data=data, method=method)
+        request.add_header("Accept", accept)
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
         try:
-            message = json.loads(raw)["error"]
-        except (ValueError, KeyError, TypeError):
-            message = raw.decode("utf-8", "replace").strip()[:200] or exc.reason
-        raise IndexerSourceError(
-            f"indexer at {url}: {method} {path}: HTTP {exc.code}: {message}"
-        ) from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise IndexerSourceError(f"cannot reach the indexer at {url}: {reason}") from None
+            return urllib.request.urlopen(request, timeout=timeout)
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            retry = _retry_after(exc)
+            if retry is not None and time.monotonic() + retry < deadline:
+                time.sleep(retry)
+                continue
+            try:
+                message = json.loads(raw)["error"]
+            except (ValueError, KeyError, TypeError):
+                message = raw.decode("utf-8", "replace").strip()[:200] or exc.reason
+            raise IndexerSourceError(
+                f"indexer at {url}: {method} {path}: HTTP {exc.code}: {message}"
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise IndexerSourceError(f"cannot reach the indexer at {url}: {reason}") from None
+
+
+def _retry_after(exc: urllib.error.HTTPError) -> float | None:
+    """Seconds to wait before retrying a 503 that says when, else None."""
+    if exc.code != 503:
+        return None
+    try:
+        return min(max(float(exc.headers.get("Retry-After", "")), 0.1), 10.0)
+    except ValueError:
+        return None
 
 
 def _json_call(method: str, url: str, path: str, **kwargs: Any) -> Any:
@@ -392,7 +414,7 @@ class Column:
     arrow: Any  # the pyarrow type Spark expects
 
 
-_INT_RANGES = {"byte": 8, "short": 16, "integer": 32, "long": 64}
+_INT_BITS = {"byte": 8, "short": 16, "integer": 32, "long": 64}
 _KINDS: dict[type[DataType], str] = {
     StringType: "string",
     BooleanType: "boolean",
@@ -485,7 +507,7 @@ def convert(kind: str, value: Any) -> Any:
         if not value.is_integer():
             return None
         value = int(value)
-    bits = _INT_RANGES[kind]
+    bits = _INT_BITS[kind]
     return value if -(1 << (bits - 1)) <= value < (1 << (bits - 1)) else None
 
 
@@ -531,7 +553,7 @@ def _literal_fits(kind: str, value: Any) -> bool:
         if isinstance(value, int):
             return abs(value) < 1 << 1023
         return isinstance(value, float) and math.isfinite(value)
-    return isinstance(value, int) and kind in _INT_RANGES
+    return isinstance(value, int) and kind in _INT_BITS
 
 
 def accepts(column: Column, f: Filter) -> tuple[str, Any] | None:
@@ -567,10 +589,14 @@ def filter_range(kind: str, pushed: Sequence[tuple[str, Any]]) -> KeyRange:
         if op == "notnull":
             continue
         if block == "number":
-            # Every number whose nearest double is d encodes as 0x05 + d + suffix, and Spark's
-            # value of it is at most that close: bound by the 9-byte double prefix (a superset).
-            p = encode_key([float(value)])[:9]
-            lo, hi = p, p + AFTER_PREFIX
+            # A number encodes as 0x05 + its nearest double + a suffix, so the 9-byte prefix of
+            # a double bounds every number rounding to it. FLOAT rounds coarser: widen by an ulp.
+            low = high = float(value)
+            if kind == "float":
+                margin = max(abs(low) * 2.0**-23, 2.0**-149)
+                low, high = low - margin, high + margin
+            lo = encode_key([low])[:9]
+            hi = encode_key([high])[:9] + AFTER_PREFIX
             if op in ("gt", "ge"):
                 lows.append(lo)
             elif op in ("lt", "le"):
@@ -605,7 +631,7 @@ def intersect(a: KeyRange, b: KeyRange) -> KeyRange | None:
     return KeyRange(start, stop)
 
 
-def _apply_filters(batch: Any, index: int, pushed: Sequence[tuple[str, Any]]) -> Any:
+def apply_filters(batch: Any, index: int, pushed: Sequence[tuple[str, Any]]) -> Any:
     """Rows of the batch whose column `index` passes every pushed filter, as Spark would say."""
     if not pushed or batch.num_rows == 0:
         return batch
@@ -643,10 +669,6 @@ class IndexerPartition(InputPartition):
         self.pin = pin
         self.snapshot_checksum = snapshot_checksum
         self.empty = empty
-
-    @property
-    def bounds(self) -> KeyRange:
-        return KeyRange(self.start, self.stop)
 
 
 class IndexerDataSource(DataSource):
@@ -690,11 +712,13 @@ class IndexerReader(DataSourceReader):
         self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
         self.parts = partitions
         self.pushed: list[tuple[str, Any]] = []
-        self.pin_id: str | None = None
         self.leading = next((i for i, c in enumerate(self.columns) if c.position == 0), None)
 
     def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
         """Take the comparisons on the leading key column; hand every other filter back."""
+        if not self.options.pushdown:
+            yield from filters
+            return
         for f in filters:
             taken = None
             if self.leading is not None:
@@ -716,22 +740,29 @@ class IndexerReader(DataSourceReader):
     def partitions(self) -> list[InputPartition]:
         """Pin the snapshot, split the index into ranges of about equal size, cut by filters."""
         wanted = self.key_range()
-        options = self.options
         checksum = None
-        if options.url is not None:
-            if options.pin is not None:
-                pin_id = options.pin
-            else:
-                pin_id = pin_snapshot(
-                    options.url,
-                    options.snapshot,
-                    at_plus=options.at_plus,
-                    lease_s=options.lease_s,
-                    timeout=options.timeout,
-                ).id
-            self.pin_id = pin_id
-            if wanted is None:
-                return [IndexerPartition(0, None, None, pin_id, empty=True)]
+        if self.options.url is not None:
+            pin_id, ranges = self._online_ranges(wanted is not None)
+        else:
+            pin_id = None
+            found = offline_snapshot(str(self.options.path))
+            checksum = found.checksum if found else None
+            ranges = self._offline_ranges() if wanted is not None else []
+        out: list[InputPartition] = []
+        for r in ranges:
+            cut = intersect(r, wanted or KeyRange())
+            if cut is not None:
+                out.append(IndexerPartition(len(out), cut.start, cut.stop, pin_id, checksum))
+        return out or [IndexerPartition(0, None, None, pin_id, checksum, empty=True)]
+
+    def _online_ranges(self, needed: bool) -> tuple[str | None, list[KeyRange]]:
+        """The pin to read (made here unless given) and the daemon's splits under it."""
+        options = self.options
+        assert options.url is not None
+        if not needed:  # the filters leave nothing: no pin, no partition to read
+            return options.pin, []
+        pin_id, own = (options.pin, False) if options.pin else (self._pin().id, True)
+        try:
             answer = _json_call(
                 "GET",
                 options.url,
@@ -739,32 +770,37 @@ class IndexerReader(DataSourceReader):
                 params={"parts": self.parts, "pin": pin_id},
                 timeout=options.timeout,
             )
-            ranges = [
-                KeyRange(
-                    bytes.fromhex(s["start"]) if s["start"] else None,
-                    bytes.fromhex(s["stop"]) if s["stop"] else None,
-                )
-                for s in answer["splits"]
-            ]
-        else:
-            assert options.path is not None
-            pin_id = None
-            found = offline_snapshot(options.path)
-            checksum = found.checksum if found else None
-            if wanted is None:
-                return [IndexerPartition(0, None, None, None, checksum, empty=True)]
-            store = _open_store(options.path, PLANNING_LOCK_WAIT_S, planning=True)
-            try:
-                stored = _stored_index(store, options.index)
-                ranges = splits(store, stored, None, self.parts)
-            finally:
-                store.close()
-        out: list[InputPartition] = []
-        for r in ranges:
-            cut = intersect(r, wanted)
-            if cut is not None:
-                out.append(IndexerPartition(len(out), cut.start, cut.stop, pin_id, checksum))
-        return out or [IndexerPartition(0, None, None, pin_id, checksum, empty=True)]
+        except IndexerSourceError:
+            if own:
+                release(options.url, pin_id)
+            raise
+        return pin_id, [
+            KeyRange(
+                bytes.fromhex(s["start"]) if s["start"] else None,
+                bytes.fromhex(s["stop"]) if s["stop"] else None,
+            )
+            for s in answer["splits"]
+        ]
+
+    def _offline_ranges(self) -> list[KeyRange]:
+        """Splits of the index in the data directory, by a walk of its keys."""
+        assert self.options.path is not None
+        store = _open_store(self.options.path, PLANNING_LOCK_WAIT_S, planning=True)
+        try:
+            return splits(store, _stored_index(store, self.options.index), None, self.parts)
+        finally:
+            store.close()
+
+    def _pin(self) -> Pin:
+        options = self.options
+        assert options.url is not None
+        return pin_snapshot(
+            options.url,
+            options.snapshot,
+            at_plus=options.at_plus,
+            lease_s=options.lease_s,
+            timeout=options.timeout,
+        )
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         """Arrow record batches of one partition, in index order."""
@@ -776,7 +812,7 @@ class IndexerReader(DataSourceReader):
             batches = self._read_offline(partition)
         for batch in batches:
             if self.leading is not None:
-                batch = _apply_filters(batch, self.leading, self.pushed)
+                batch = apply_filters(batch, self.leading, self.pushed)
             if batch.num_rows:
                 yield batch
 
@@ -793,14 +829,18 @@ class IndexerReader(DataSourceReader):
         path = f"/indexes/{options.index}/scan"
         try:
             response = _http(
-                "GET", options.url, path, params=params, accept=ARROW_STREAM,
+                "GET",
+                options.url,
+                path,
+                params=params,
+                accept=ARROW_STREAM,
                 timeout=options.timeout,
-            )  # fmt: skip
+            )
         except IndexerSourceError as exc:
-            if "no pin" in str(exc):
+            if "no pin" in str(exc) and options.pin is None:
                 raise IndexerSourceError(
-                    f"{exc}: the pin lasts lease_s={options.lease_s:g} s from planning; "
-                    "raise lease_s or read again"
+                    f"{exc}: a DataFrame reads the snapshot pinned at its first action, for "
+                    f"lease_s={options.lease_s:g} s: load it again, or raise lease_s"
                 ) from None
             raise
         with response:
@@ -808,7 +848,7 @@ class IndexerReader(DataSourceReader):
                 stream = pa.ipc.open_stream(response)
                 for batch in stream:
                     yield self._from_server(batch)
-            except (pa.ArrowInvalid, OSError) as exc:
+            except (pa.ArrowInvalid, OSError, http.client.HTTPException) as exc:
                 raise IndexerSourceError(
                     f"indexer at {options.url}: the scan stream broke off: {exc}"
                 ) from None
@@ -849,10 +889,8 @@ class IndexerReader(DataSourceReader):
                         "(a daemon ran on it): read again"
                     )
                 stored = _stored_index(store, options.index)
-                rows = list(
-                    islice(iterate(store, stored, None, KeyRange(start, part.stop)),
-                           OFFLINE_CHUNK_ROWS)
-                )  # fmt: skip
+                bounds = KeyRange(start, part.stop)
+                rows = list(islice(iterate(store, stored, None, bounds), OFFLINE_CHUNK_ROWS))
             finally:
                 store.close()
             for i in range(0, len(rows), BATCH_ROWS):
@@ -876,6 +914,16 @@ class IndexerReader(DataSourceReader):
                 values = [convert(kind, r.key[j]) for r in rows]
             arrays.append(pa.array(values, type=column.arrow))
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
+
+
+def error_message(exc: BaseException) -> str:
+    """The one line saying why a Spark action on this source failed (Spark wraps it deeply)."""
+    text = str(exc)
+    marker = f"{IndexerSourceError.__name__}: "
+    for line in text.splitlines():
+        if marker in line:
+            return line.split(marker, 1)[1].strip()
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------
@@ -918,27 +966,47 @@ def configure(builder_or_conf: Any, master: str | None = None) -> Any:
     set_conf("spark.ui.showConsoleProgress", "false")
     if _is_local(master) and not _under_spark_submit():
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        log4j = Path(tempfile.gettempdir()) / "indexer-spark-log4j2.properties"
-        if not log4j.exists() or log4j.read_text() != _LOG4J2:
-            log4j.write_text(_LOG4J2)
-        set_conf("spark.driver.extraJavaOptions", f"-Dlog4j.configurationFile=file:{log4j}")
+        log4j = _log4j_file()
+        if log4j is not None and not _has_conf(builder_or_conf, "spark.driver.extraJavaOptions"):
+            set_conf("spark.driver.extraJavaOptions", f"-Dlog4j.configurationFile=file:{log4j}")
     return builder_or_conf
+
+
+def _log4j_file() -> Path | None:
+    """A log4j2 configuration keeping Spark to warnings (None if it cannot be written)."""
+    path = Path(tempfile.gettempdir()) / f"indexer-spark-log4j2-{os.getuid()}.properties"
+    try:
+        if not path.exists() or path.read_text() != _LOG4J2:
+            path.write_text(_LOG4J2)
+    except OSError:
+        return None
+    return path
+
+
+def _has_conf(builder_or_conf: Any, key: str) -> bool:
+    if hasattr(builder_or_conf, "contains"):  # a SparkConf
+        return bool(builder_or_conf.contains(key))
+    return key in getattr(builder_or_conf, "_options", {})  # a Builder keeps them there
 
 
 def register(spark: SparkSession) -> type[IndexerDataSource]:
     """Register the source as format "indexer", defaulting partitions to the parallelism."""
     parallelism = spark.sparkContext.defaultParallelism
     # A subclass made here is pickled by value, default included, to the planning workers.
-    source = type("RegisteredIndexerDataSource", (IndexerDataSource,),
-                  {"default_partitions": parallelism})  # fmt: skip
+    defaults = {"default_partitions": parallelism}
+    source = type("RegisteredIndexerDataSource", (IndexerDataSource,), defaults)
     spark.dataSource.register(source)
     return source
 
 
-def session(app_name: str, master: str | None = None) -> SparkSession:
+def session(
+    app_name: str, master: str | None = None, log_level: str | None = "WARN"
+) -> SparkSession:
     """A SparkSession ready for the source: configured, registered, local[*] by default.
 
-    Under spark-submit the master comes from spark-submit unless `master` is given.
+    Under spark-submit the master comes from spark-submit unless `master` is given. `log_level`
+    (None: leave it) applies once the session runs; lines logged while it starts are up to
+    Spark's log4j2 configuration.
     """
     builder = SparkSession.builder.appName(app_name)
     if master is None and not _under_spark_submit():
@@ -947,5 +1015,7 @@ def session(app_name: str, master: str | None = None) -> SparkSession:
         builder = builder.master(master)
     configure(builder, master)
     spark = builder.getOrCreate()
+    if log_level is not None:
+        spark.sparkContext.setLogLevel(log_level)
     register(spark)
     return spark

@@ -1,9 +1,10 @@
 """`make demo`: the daemon on the embedded default configuration, fed by a real router.
 
 Starts `indexer serve`, pushes a generated workload through `indexer feed` over TCP, which returns
-once the daemon has acknowledged a persisted snapshot covering everything, stops the daemon with
-SIGINT, and prints what each index holds (from `indexer dump`). Run it again: the feed resumes at
-the restart timestamp and sends nothing twice.
+once the daemon has acknowledged a persisted snapshot covering everything, runs the Spark job of
+`examples/spark_job.py` on that persisted snapshot through the HTTP API (local Spark), stops the
+daemon with SIGINT, and prints what each index holds (from `indexer dump`). Run it again: the
+feed resumes at the restart timestamp and sends nothing twice.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def main() -> None:
         if fed.returncode != 0:
             sys.exit("demo: the feed failed (see above)")
         print(f"   persisted and acknowledged in {time.monotonic() - started:.1f} s")
+        url = f"http://{server.host}:{server.http_port}"
+        out = Path("demo-output") / "by_city_summary.parquet"
+        print(f"== a Spark job (local) reads the persisted snapshot of by_city from {url}")
+        job = subprocess.run(
+            [sys.executable, "examples/spark_job.py", "--url", url, "--index", "by_city",
+             "--out", str(out), "--top", "5"],
+            check=False,
+        )
+        if job.returncode != 0:
+            sys.exit("demo: the Spark job failed (see above)")
     finally:
         daemon.send_signal(signal.SIGINT)
         assert daemon.stderr is not None

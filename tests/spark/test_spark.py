@@ -1,0 +1,402 @@
+"""The Spark data source against a real daemon fed by the real router, checked against a model.
+
+One SparkSession and one daemon serve the whole module (a cold session takes 8-12 s). The tests
+run in file order: the offline test, after the online ones, stops the daemon to read its data
+directory. The last tests need neither Spark nor the daemon.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import operator
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow as pa
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.datasource import (
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    IsNotNull,
+    LessThan,
+    LessThanOrEqual,
+)
+
+from indexer.keys import encode_key
+from indexer.router import Workload, generate
+from indexer.router.documents import Document
+from indexer.spark import (
+    Column,
+    IndexerDataSource,
+    IndexerPartition,
+    IndexerSourceError,
+    accepts,
+    apply_filters,
+    convert,
+    error_message,
+    filter_range,
+    offline_snapshot,
+    pin_snapshot,
+    pinned,
+    release,
+    session,
+)
+from tests.e2e.conftest import (
+    INDEXES,
+    Daemon,
+    free_port,
+    model,
+    run_feed,
+    write_config,
+    write_jsonl,
+)
+
+pytestmark = [pytest.mark.spark, pytest.mark.e2e]
+
+
+@dataclass
+class Node:
+    """The module's daemon and every document fed to it so far, in feed order."""
+
+    daemon: Daemon
+    data_dir: Path
+    tmp: Path
+    documents: list[Document] = field(default_factory=list)
+
+    def feed(self, documents: list[Document]) -> None:
+        """Feed more documents: the feed skips what the daemon persisted, so give it them all."""
+        self.documents = self.documents + documents
+        jsonl = write_jsonl(self.tmp / f"docs{len(self.documents)}.jsonl", self.documents)
+        fed = run_feed(self.daemon, jsonl)
+        assert fed.returncode == 0, fed.stderr
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    spark = session("indexer-spark-tests", "local[2]")
+    yield spark
+    spark.stop()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    tmp = tmp_path_factory.mktemp("spark")
+    port = free_port()
+    data_dir = tmp / "data"
+    daemon = Daemon(write_config(tmp / "indexer.toml", data_dir, port), tmp / "daemon.log", port)
+    node = Node(daemon.start(), data_dir, tmp)
+    node.feed(list(generate(Workload(30_000, 6_000, 0.1, 21))))
+    yield node
+    if daemon.running:
+        daemon.kill()
+
+
+def read(spark: SparkSession, schema: str | None = None, **options: Any) -> DataFrame:
+    reader = spark.read.format("indexer")
+    if schema is not None:
+        reader = reader.schema(schema)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def as_entries(df: DataFrame, paths: list[str]) -> list[dict[str, Any]]:
+    """Rows of the default schema (JSON text, null for MISSING) as `indexer dump` prints them."""
+    out = []
+    for row in df.collect():
+        texts = list(row)[1:]
+        entry: dict[str, Any] = {
+            "key": [None if t is None else json.loads(t) for t in texts],
+            "id": row["id"],
+        }
+        missing = [i for i, t in enumerate(texts) if t is None]
+        if missing:
+            entry["missing"] = missing
+        out.append(entry)
+    assert df.columns == ["id", *(p.replace(".", "_") for p in paths)]
+    return out
+
+
+def ndjson_scan(url: str, index: str, **params: str) -> list[dict[str, Any]]:
+    response = httpx.get(f"{url}/indexes/{index}/scan", params=params, timeout=60)
+    assert response.status_code == 200, response.text
+    return [json.loads(line) for line in response.text.splitlines() if line]
+
+
+def filtered_by_spark(df: DataFrame) -> bool:
+    """True when the physical plan filters rows after the scan (Spark kept a filter)."""
+    plan = str(df._jdf.queryExecution().executedPlan().toString())
+    return any(line.lstrip(" +-:*()0123456789").startswith("Filter ") for line in plan.splitlines())
+
+
+def as_double(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def as_int(value: Any) -> int | None:
+    number = as_double(value)
+    if number is None or not number.is_integer() or not -(2**31) <= number < 2**31:
+        return None
+    return int(number)
+
+
+def test_dataframe_equals_the_ndjson_scan_and_the_model(spark: SparkSession, node: Node) -> None:
+    url = node.daemon.url
+    for name, paths in INDEXES.items():
+        with pinned(url) as pin:
+            df = read(spark, url=url, index=name, pin=pin.id, partitions=3)
+            assert df.rdd.getNumPartitions() == 3
+            got = as_entries(df, paths)
+            scanned = ndjson_scan(url, name, pin=pin.id)
+        assert pin.seqno_sum == len(node.documents)
+        want = model(node.documents, paths)
+        assert len(got) == len(want) > 1000, name
+        assert got == scanned == want, name
+    # Without a partitions option: the session's default parallelism (local[2]).
+    assert read(spark, url=url, index="by_age").rdd.getNumPartitions() == 2
+
+
+def test_a_user_schema_converts_values_and_those_that_do_not_fit_are_null(
+    spark: SparkSession, node: Node
+) -> None:
+    url = node.daemon.url
+    want = model(node.documents, INDEXES["by_city"])
+    df = read(spark, "age INT, id STRING, address_city STRING", url=url, index="by_city")
+    rows = [tuple(r) for r in df.collect()]
+    expected = [
+        (as_int(e["key"][1]), e["id"], e["key"][0] if isinstance(e["key"][0], str) else None)
+        for e in want
+    ]
+    assert rows == expected
+    fractional = [e for e in want if isinstance(e["key"][1], float) and e["key"][1] % 1]
+    nulls = [e for e in want if e["key"][1] is None]
+    assert fractional and nulls  # both kinds of non-fitting age are there, and read as null
+    ages = read(spark, "age DOUBLE, id STRING", url=url, index="by_age").collect()
+    assert [(r.age, r.id) for r in ages] == [
+        (as_double(e["key"][0]), e["id"]) for e in model(node.documents, ["age"])
+    ]
+    with pytest.raises(Exception) as raised:
+        read(spark, "nope STRING", url=url, index="by_age").collect()
+    assert error_message(raised.value) == "no column 'nope' in the index: its columns are id, age"
+
+
+def test_pushed_down_filters_give_the_rows_of_a_filter_after_the_read(
+    spark: SparkSession, node: Node
+) -> None:
+    url = node.daemon.url
+    typed = "age DOUBLE, id STRING"
+    # Each query on its own DataFrame: Spark 4.3 reuses a DataFrame's last pushdown (docs).
+    everything = [
+        tuple(r) for r in read(spark, typed, url=url, index="by_age", pushdown="true").collect()
+    ]
+    ranged = read(spark, typed, url=url, index="by_age", pushdown="true").filter(
+        "age >= 30 AND age < 40.5"
+    )
+    assert not filtered_by_spark(ranged)  # Spark handed both bounds to the source
+    assert [tuple(r) for r in ranged.collect()] == [
+        r for r in everything if r[0] is not None and 30 <= r[0] < 40.5
+    ]
+    # JSON text (the default schema): equality is pushed, a range is left to Spark.
+    cities = read(spark, url=url, index="by_city", pushdown="true").collect()
+    paris = read(spark, url=url, index="by_city", pushdown="true").filter(
+        "address_city = '\"Paris\"'"
+    )
+    assert not filtered_by_spark(paris)
+    assert paris.collect() == [r for r in cities if r.address_city == '"Paris"']
+    after = read(spark, url=url, index="by_city", pushdown="true").filter("address_city > '\"P'")
+    assert filtered_by_spark(after)
+    assert after.collect() == [r for r in cities if r.address_city > '"P']
+    # Typed strings: ranges are pushed and compare like Spark.
+    named = "address_city STRING, id STRING"
+    middle = read(spark, named, url=url, index="by_city", pushdown="true").filter(
+        "address_city > 'Lima' AND address_city <= 'Rome'"
+    )
+    assert not filtered_by_spark(middle)
+    values = [(json.loads(r.address_city), r.id) for r in cities]
+    assert [r.id for r in middle.collect()] == [
+        i for v, i in values if isinstance(v, str) and "Lima" < v <= "Rome"
+    ]
+    # The partitions the source plans cover the pushed range only, and read exactly its rows.
+    schema = read(spark, typed, url=url, index="by_age", pushdown="true").schema
+    options = {"url": url, "index": "by_age", "partitions": "4", "pushdown": "true"}
+    reader = IndexerDataSource(options).reader(schema)
+    on_id = GreaterThan(("id",), "doc")
+    left = list(
+        reader.pushFilters([GreaterThanOrEqual(("age",), 30.0), LessThan(("age",), 40.5), on_id])
+    )
+    assert left == [on_id]
+    parts = [p for p in reader.partitions() if isinstance(p, IndexerPartition)]
+    try:
+        assert parts[0].start is not None and parts[-1].stop is not None
+        read_back = [
+            tuple(row)
+            for p in parts
+            for batch in reader.read(p)
+            for row in zip(*batch.to_pydict().values(), strict=True)
+        ]
+    finally:
+        release(url, str(parts[0].pin))
+    assert read_back == [tuple(r) for r in ranged.collect()]
+
+
+def test_a_pinned_snapshot_is_unchanged_by_writes_during_the_read(
+    spark: SparkSession, node: Node
+) -> None:
+    url = node.daemon.url
+    before = node.documents
+    planned = read(spark, url=url, index="by_age", partitions=3)
+    assert planned.count() == len(model(before, ["age"]))  # the first action pins and plans
+    with pinned(url) as pin:
+        explicit = read(spark, url=url, index="by_city", pin=pin.id)
+        first = explicit.collect()
+        # Updates, deletes and new documents, persisted before the reads go on.
+        node.feed(list(generate(Workload(6_000, 8_000, 0.3, 22))))
+        assert as_entries(planned, ["age"]) == model(before, ["age"])  # the same snapshot
+        assert read(spark, url=url, index="by_city", pin=pin.id).collect() == first
+    latest = as_entries(read(spark, url=url, index="by_age"), ["age"])
+    assert latest == model(node.documents, ["age"]) != model(before, ["age"])
+    # at_plus: a snapshot holding at least the seqnos given, one per vbucket.
+    seqnos = httpx.get(url + "/snapshots").json()["persisted"]["seqnos"]
+    vector = json.dumps({str(vb): s for vb, s in enumerate(seqnos) if s})
+    at_plus = read(spark, url=url, index="by_city", at_plus=vector)
+    assert as_entries(at_plus, INDEXES["by_city"]) == model(node.documents, INDEXES["by_city"])
+
+
+def test_without_pushdown_every_later_query_on_a_dataframe_is_whole(
+    spark: SparkSession, node: Node
+) -> None:
+    df = read(spark, "age DOUBLE, id STRING", url=node.daemon.url, index="by_age")  # the default
+    some = df.filter("age < 30").count()
+    assert filtered_by_spark(df.filter("age < 30"))
+    assert 0 < some < df.count() == len(model(node.documents, ["age"]))
+
+
+def test_offline_read_of_a_stopped_node_equals_the_online_read(
+    spark: SparkSession, node: Node
+) -> None:
+    url, data = node.daemon.url, str(node.data_dir)
+    with pytest.raises(Exception) as raised:
+        read(spark, path=data, index="by_city").collect()
+    message = error_message(raised.value)
+    assert "held by another process" in message and '.option("url"' in message
+    with pinned(url) as pin:
+        online = read(spark, url=url, index="by_city", pin=pin.id, partitions=3).collect()
+        ages = read(spark, "id STRING, age DOUBLE", url=url, index="by_age", pin=pin.id).collect()
+    assert node.daemon.stop(signal.SIGTERM) == 0
+    # More partitions than cores: Python workers take turns on the store's LevelDB lock.
+    offline = read(spark, path=data, index="by_city", partitions=6).collect()
+    assert offline == online and len(offline) == len(model(node.documents, INDEXES["by_city"]))
+    offline_ages = read(spark, "id STRING, age DOUBLE", path=data, index="by_age").collect()
+    assert offline_ages == ages
+    assert any(r.age is not None for r in ages) and any(r.age is None for r in ages)
+    persisted = offline_snapshot(data)
+    assert persisted is not None and persisted.seqno_sum == pin.seqno_sum == len(node.documents)
+
+
+COMPARE = {
+    EqualTo: operator.eq,
+    GreaterThan: operator.gt,
+    GreaterThanOrEqual: operator.ge,
+    LessThan: operator.lt,
+    LessThanOrEqual: operator.le,
+}
+
+
+def test_filter_ranges_hold_every_value_that_passes() -> None:
+    """Without Spark: a pushed range holds every entry that passes; the batch filter is exact."""
+    rng = random.Random(5)
+    values: list[Any] = [None, True, False, "", "a", "ab", "b", "Paris", "\x00", "é", [], [1], {}]
+    values += [0, 1, -1, 30, 2**53, 2**53 + 1, 2**63, -(2**31), 2**31 - 1, 2**31, 1e300]
+    values += [30.0, 29.999999, 30.5, -0.5, 3.4e38, 3.5e38, 1e-300]
+    values += [rng.uniform(-100, 100) for _ in range(40)]
+    values += [rng.randrange(-100, 100) for _ in range(40)]
+    kinds = {
+        "long": pa.int64(),
+        "integer": pa.int32(),
+        "byte": pa.int8(),
+        "double": pa.float64(),
+        "float": pa.float32(),
+        "string": pa.string(),
+        "boolean": pa.bool_(),
+        "json": pa.string(),
+    }
+    for kind, arrow in kinds.items():
+        column = Column("k", 0, "k", kind, arrow)
+        converted = [convert(kind, v) for v in values]
+        batch = pa.RecordBatch.from_arrays([pa.array(converted, arrow)], names=["k"])
+        literals = [lit for lit in converted if lit is not None]
+        for _ in range(300):
+            filters: list[Filter] = [
+                rng.choice(list(COMPARE))(("k",), rng.choice(literals))
+                for _ in range(rng.randrange(1, 3))
+            ]
+            filters.append(IsNotNull(("k",)))
+            taken = [accepts(column, f) for f in filters]
+            pushed = [t for t in taken if t is not None]
+            bounds = filter_range(kind, pushed)
+            kept = apply_filters(batch, 0, pushed).column(0).to_pylist()
+            expected = []
+            for value in values:
+                spark_value = convert(kind, value)
+                passes = spark_value is not None and all(
+                    COMPARE[type(f)](spark_value, f.value)  # type: ignore[attr-defined]
+                    for f, t in zip(filters, taken, strict=True)
+                    if t is not None and t[0] != "notnull"
+                )
+                entry = encode_key([value, 7]) + b"doc1"
+                inside = (bounds.start is None or entry >= bounds.start) and (
+                    bounds.stop is None or entry < bounds.stop
+                )
+                assert inside or not passes, (kind, filters, value)
+                if passes:
+                    expected.append(spark_value)
+            assert kept == expected, (kind, filters)
+
+
+def test_a_503_that_says_when_is_retried_and_other_errors_are_one_line() -> None:
+    """Without Spark or daemon: a fake API answering 503 (Retry-After) twice, then a pin."""
+    answers = [
+        (503, {"retry-after": "0.1"}, {"error": "no persisted snapshot yet"}),
+        (503, {"retry-after": "0.1"}, {"error": "no persisted snapshot yet"}),
+        (200, {}, {"id": "p1", "snapshot": 3, "seqno_sum": 9, "lease_s": 60}),
+        (400, {}, {"error": "lease_s: from 1 to 86400, not 0"}),
+    ]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status, headers, body = answers.pop(0)
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        pin = pin_snapshot(url, lease_s=60, timeout=5)
+        assert (pin.id, pin.snapshot, pin.seqno_sum, answers[0][0]) == ("p1", 3, 9, 400)
+        with pytest.raises(IndexerSourceError) as raised:
+            pin_snapshot(url, lease_s=0.5)
+        assert str(raised.value) == (
+            f"indexer at {url}: POST /snapshots/pin: HTTP 400: lease_s: from 1 to 86400, not 0"
+        )
+    finally:
+        server.shutdown()
