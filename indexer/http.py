@@ -38,7 +38,6 @@ from prometheus_client.core import GaugeMetricFamily
 
 from indexer.catalog import CatalogError, IndexCatalog
 from indexer.config import FIELD_PATH, INDEX_NAME, MAX_KEYS
-from indexer.keys import MISSING
 from indexer.protocol import IndexDefinition
 from indexer.reader import StreamRegistry
 from indexer.scans import (
@@ -47,6 +46,7 @@ from indexer.scans import (
     ScanRequestError,
     count_entries,
     iterate,
+    json_text,
     key_range,
     parse_json_param,
     splits,
@@ -413,7 +413,7 @@ class HttpApi:
             for j in range(len(paths)):
                 columns.append(
                     pa.array(
-                        [None if r.key[j] is MISSING else json.dumps(r.key[j]) for r in chunk],
+                        [json_text(r.key[j]) for r in chunk],
                         pa.string(),
                     )
                 )

@@ -147,6 +147,11 @@ def _after(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1]) if prefix[-1] < 0xFF else prefix + b"\xff" * 8
 
 
+def json_text(value: Any) -> str | None:
+    """A key value as scans give it in Arrow and Spark columns: JSON text, None for MISSING."""
+    return None if value is MISSING else json.dumps(value, ensure_ascii=False)
+
+
 def column_names(paths: Sequence[str]) -> list[str]:
     """Spark-friendly column names of key paths: dots become underscores."""
     return [p.replace(".", "_") for p in paths]

@@ -65,7 +65,15 @@ from pyspark.sql.types import (
 )
 
 from indexer.keys import MISSING, encode_key
-from indexer.scans import AFTER_PREFIX, KeyRange, Row, column_names, iterate, splits
+from indexer.scans import (
+    AFTER_PREFIX,
+    KeyRange,
+    Row,
+    column_names,
+    iterate,
+    json_text,
+    splits,
+)
 from indexer.storage import IndexStore, StoredIndex, StoreError, StoreLockedError
 
 FORMAT = "indexer"
@@ -479,17 +487,12 @@ def plan_columns(schema: StructType, keys: Sequence[str]) -> list[Column]:
     return out
 
 
-def json_text(value: Any) -> str | None:
-    """A key value as the daemon's Arrow scans give it: JSON text, None for MISSING."""
-    return None if value is MISSING else json.dumps(value)
-
-
 def convert(kind: str, value: Any) -> Any:
     """A JSON value as a column of `kind` holds it; None when it does not fit."""
     if value is MISSING or value is None:
         return None
     if kind == "json":
-        return json.dumps(value)
+        return json_text(value)
     if kind == "string":
         return value if isinstance(value, str) else None
     if kind == "boolean":
