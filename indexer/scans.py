@@ -128,16 +128,30 @@ def count_entries(store: IndexStore, index: StoredIndex, snapshot: Any, bounds: 
     )
 
 
-def splits(store: IndexStore, index: StoredIndex, snapshot: Any, parts: int) -> list[KeyRange]:
-    """`parts` ranges covering the index with about as many entries each (by a full key walk)."""
+def splits(
+    store: IndexStore, index: StoredIndex, snapshot: Any, parts: int
+) -> list[KeyRange]:
+    """`parts` ranges covering the index with about as many entries each.
+
+    Two walks over the keys, the first to count them, holding only the cut points in memory.
+    """
     prefix = index.main_prefix
     cut = len(prefix)
     source = snapshot if snapshot is not None else store.db
-    keys = [k[cut:] for k in source.iterator(prefix=prefix, include_value=False)]
-    if parts <= 1 or len(keys) < parts:
+    total = sum(1 for _ in source.iterator(prefix=prefix, include_value=False))
+    if parts <= 1 or total < parts:
         return [KeyRange()]
-    step = len(keys) / parts
-    cuts = sorted({keys[int(i * step)] for i in range(1, parts)})
+    step = total / parts
+    wanted = iter(int(i * step) for i in range(1, parts))
+    target = next(wanted)
+    cuts: list[bytes] = []
+    for position, key in enumerate(source.iterator(prefix=prefix, include_value=False)):
+        if position == target:
+            if not cuts or cuts[-1] != key[cut:]:
+                cuts.append(key[cut:])
+            target = next(wanted, -1)
+            if target < 0:
+                break
     bounds: list[bytes | None] = [None, *cuts, None]
     return [KeyRange(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
