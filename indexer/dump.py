@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from indexer.keys import MISSING, split_entry
+from indexer.scans import json_encode
 from indexer.storage import IndexStore
 
 
@@ -30,4 +30,4 @@ def dump_lines(data_dir: Path, name: str) -> Iterator[str]:
         count = len(index.definition.keys)
         for entry in store.main_entries(index):
             values, docid = split_entry(entry, count)
-            yield json.dumps(entry_json(values, docid), ensure_ascii=False)
+            yield json_encode(entry_json(values, docid))

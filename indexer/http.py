@@ -27,7 +27,6 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
-from itertools import islice
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -43,9 +42,11 @@ from indexer.reader import StreamRegistry
 from indexer.scans import (
     KeyRange,
     Row,
+    Runs,
     ScanRequestError,
     count_entries,
-    iterate,
+    entry_runs,
+    json_encode,
     json_text,
     key_range,
     parse_json_param,
@@ -61,7 +62,7 @@ log = logging.getLogger("indexer.http")
 
 ARROW = "application/vnd.apache.arrow.stream"
 NDJSON = "application/x-ndjson"
-SCAN_CHUNK = 2000
+SCAN_CHUNK = 8192
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_LEASE_S = 600.0
 MAX_LEASE_S = 86400.0
@@ -364,33 +365,33 @@ class HttpApi:
                 )
                 await _json(send, 200, {"count": n, "snapshot": snap.number}, meta)
                 return
-            rows = iterate(self.view.store, index, snap.store_snapshot, bounds, limit)
+            chunks = entry_runs(
+                self.view.store, index, snap.store_snapshot, bounds, limit, SCAN_CHUNK
+            )
             self.active_scans += 1
             try:
                 if ARROW in headers.get("accept", ""):
-                    await self._stream_arrow(index, snap, rows, send, meta)
+                    await self._stream_arrow(index, snap, chunks, send, meta)
                 else:
-                    await self._stream_ndjson(rows, send, meta)
+                    await self._stream_ndjson(chunks, send, meta)
             finally:
                 self.active_scans -= 1
         finally:
             snap.release()
 
-    async def _stream_ndjson(self, rows: Iterator[Row], send: Send, meta: dict[str, str]) -> None:
+    async def _stream_ndjson(
+        self, chunks: Iterator[Chunk], send: Send, meta: dict[str, str]
+    ) -> None:
         await _start(send, 200, NDJSON, meta)
-        while True:
-            chunk = await trio.to_thread.run_sync(_take, rows)
-            if not chunk:
-                break
-            body = "".join(json.dumps(r.as_json(), ensure_ascii=False) + "\n" for r in chunk)
-            await send({"type": "http.response.body", "body": body.encode(), "more_body": True})
+        while (body := await trio.to_thread.run_sync(_ndjson_chunk, chunks)) is not None:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _stream_arrow(
         self,
         index: StoredIndex,
         snap: StabilitySnapshot,
-        rows: Iterator[Row],
+        chunks: Iterator[Chunk],
         send: Send,
         meta: dict[str, str],
     ) -> None:
@@ -405,19 +406,8 @@ class HttpApi:
         sink = _Chunks()
         writer = pa.ipc.new_stream(sink, schema)
         await _start(send, 200, ARROW, meta)
-        while True:
-            chunk = await trio.to_thread.run_sync(_take, rows)
-            if not chunk:
-                break
-            columns = [pa.array([r.docid for r in chunk], pa.string())]
-            for j in range(len(paths)):
-                columns.append(
-                    pa.array(
-                        [json_text(r.key[j]) for r in chunk],
-                        pa.string(),
-                    )
-                )
-            writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+        # Decoding, JSON texts and the Arrow batch are built in the thread, off the event loop.
+        while await trio.to_thread.run_sync(_arrow_chunk, chunks, writer, schema):
             await send({"type": "http.response.body", "body": sink.take(), "more_body": True})
         writer.close()
         await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
@@ -559,8 +549,40 @@ class _Chunks(io.RawIOBase):
         return out
 
 
-def _take(rows: Iterator[Row]) -> list[Row]:
-    return list(islice(rows, SCAN_CHUNK))
+Chunk = tuple[Runs, list[str]]
+
+
+def _ndjson_chunk(chunks: Iterator[Chunk]) -> bytes | None:
+    """The next chunk of rows as NDJSON lines (the JSON of a key is built once per run)."""
+    taken = next(chunks, None)
+    if taken is None:
+        return None
+    runs, docids = taken
+    lines = []
+    i = 0
+    for values, n in runs:
+        row = Row(values, "").as_json()
+        head = '{"key": ' + json_encode(row["key"]) + ', "id": '
+        tail = ', "missing": ' + json_encode(row["missing"]) + "}\n" if "missing" in row else "}\n"
+        lines += [head + json_encode(docid) + tail for docid in docids[i : i + n]]
+        i += n
+    return "".join(lines).encode()
+
+
+def _arrow_chunk(chunks: Iterator[Chunk], writer: Any, schema: pa.Schema) -> bool:
+    """Write the next chunk of rows as one record batch; False at the end."""
+    taken = next(chunks, None)
+    if taken is None:
+        return False
+    runs, docids = taken
+    columns = [pa.array(docids, pa.string())]
+    for j in range(len(schema) - 1):
+        texts: list[str | None] = []
+        for values, n in runs:
+            texts += [json_text(values[j])] * n
+        columns.append(pa.array(texts, pa.string()))
+    writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+    return True
 
 
 def _only(method: str, allowed: str) -> None:

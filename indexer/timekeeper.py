@@ -120,9 +120,12 @@ class Timekeeper:
         start = self.snapshots.publish(self._stable, self.store.snapshot())
         self.snapshots.record_persisted(start, 0.0)
         last_persist = trio.current_time()
+        # A fixed cadence: a cut that takes long does not push the next one a whole interval away.
+        next_cut = trio.current_time() + self.in_memory_interval_s
         while not self._stopping.is_set():
-            with trio.move_on_after(self.in_memory_interval_s):
+            with trio.move_on_at(next_cut):
                 await self._stopping.wait()
+            next_cut = max(next_cut + self.in_memory_interval_s, trio.current_time())
             moved = await self.cut()
             self.snapshots.expire_pins()
             # Persist on the interval, and at once when intake went quiet: a router that has

@@ -1,0 +1,1034 @@
+"""Scan benchmark: rows/s of index scans over HTTP and Spark against a raw plyvel iterator, and
+request_plus latency while a feed runs.
+
+    python bench/scan.py [--mutations N] [--keys K] [--seed S] [--skip-spark]
+                         [--requests R] [--feed-rate M] [--keep]
+
+One daemon (`python -m indexer serve`, default configuration and indexes, temp data dir, both
+ports 0 and read from its log) is fed N mutations over K docids by the real router
+(`python -m indexer feed`, which waits until they are persisted). Then, in this order:
+
+1. HTTP scans of the whole `by_city` index with httpx, streamed: NDJSON (newlines counted) and
+   Arrow IPC (`Accept: application/vnd.apache.arrow.stream`, read with pyarrow.ipc.open_stream),
+   best of 3 each; then a range scan on the leading key (cities "A" <= city < "N", about half).
+2. Spark, when `indexer/spark.py` exists: `spark.read.format("indexer")...load().count()` in one
+   local[2] SparkSession, best of 2, session start-up excluded.
+3. The daemon is stopped (SIGINT, exit 0 checked) and the same store is read with plyvel in this
+   process: the bare iterator over the index's main entries (the reference of the ratio), the
+   iterator plus `split_entry` decoding, and the daemon's own NDJSON and Arrow streaming code
+   driven in-process without HTTP (a breakdown of where a scan's time goes).
+4. The daemon is restarted on the same store, a feeder process (`--feeder`, below) streams more
+   of the same workload at a steady rate, and GET /indexes/by_age/count?consistency=request_plus
+   is sent --requests times in sequence, each after a random pause in [0, interval) so requests
+   land at every phase of the snapshot cycle. Every fourth request is followed by one at
+   consistency=any: the cost of the count itself under the same load. A thread polls
+   GET /snapshots to time every published snapshot; the gap between two consecutive publishes
+   minus the interval is the flush time of that cycle (cycles that also persisted are left out).
+   Target: request_plus p99 <= 2 x in-memory interval + mean flush time.
+
+Why a feeder of its own rather than a second `indexer feed`: the router numbers seqnos per
+vbucket in input order and skips what the daemon reports persisted, so a feed of other documents
+(another seed) is mostly skipped as a replay; and `indexer feed` sends a vbucket's batch only at
+512 records (about every 500k documents with 1024 vbuckets), so it arrives in bursts. The feeder
+continues the same seeded workload after the N persisted mutations (the router skips those) and
+sends whatever it generated every 50 ms.
+
+Everything lives in a temporary directory, removed at the end unless --keep. The last line
+printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import islice, pairwise
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import httpx
+import psutil
+import pyarrow as pa
+import pyarrow.ipc
+import trio
+
+from indexer import protocol as p
+from indexer.config import load_config
+from indexer.keys import split_entry
+from indexer.router.feed import StreamEncoder, default_vbuuid
+from indexer.router.workload import Workload, generate
+from indexer.scans import KeyRange, iterate
+from indexer.storage import IndexStore, StoredIndex
+
+HOST = "127.0.0.1"
+ARROW = "application/vnd.apache.arrow.stream"
+SCAN_INDEX = "by_city"
+COUNT_INDEX = "by_age"
+RANGE = {"low": '"A"', "high": '"N"', "inclusion": "low"}  # cities A..M: 13 of the 26
+HTTP_REPEATS = 3
+SPARK_REPEATS = 2
+RAW_REPEATS = 5
+DECODE_REPEATS = 3
+FEED_TICK_S = 0.05
+WARMUP_S = 2.0
+ANY_EVERY = 4
+POLL_S = 0.06  # below the 100 ms interval, so no publish is missed; ~2 ms of daemon each
+DELETE_RATIO = 0.1
+HTTP_LINE = re.compile(r"HTTP API on http://[^\s:]+:(\d+)")
+FEED_LINE = re.compile(r"listening for router feeds on [^\s]+:(\d+);")
+
+
+def say(line: str) -> None:
+    """One human-readable line, flushed at once."""
+    print(line, flush=True)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b rounded, or None when either is missing."""
+    return None if a is None or not b else round(a / b, 3)
+
+
+def rate(rows_per_s: float | None) -> str:
+    """ "N rows/s", or "n/a"."""
+    return "n/a" if rows_per_s is None else f"{rows_per_s:,.0f} rows/s"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between closest ranks."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+# --------------------------------------------------------------------------------------------
+# The daemon process
+
+
+class Daemon:
+    """`python -m indexer serve` on a temp config; both ports read from its log."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.data_dir = workdir / "data"
+        self.config_path = workdir / "indexer.toml"
+        self.log_path = workdir / "daemon.log"
+        self.feed_port = 0
+        self.http_port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(
+            "[server]\n"
+            f'data_dir = "{self.data_dir}"\n'
+            f'host = "{HOST}"\n'
+            "feed_port = 0\n"
+            "http_port = 0\n"
+            'log_level = "info"\n'
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    @property
+    def feed_address(self) -> str:
+        return f"{HOST}:{self.feed_port}"
+
+    def start(self, timeout: float = 60) -> None:
+        """Start it (again) and wait for this start's "listening" line."""
+        seen = self.log().count("listening for router feeds")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "indexer", "serve", "--config", str(self.config_path)],
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log()
+            if text.count("listening for router feeds") > seen:
+                self.http_port = int(HTTP_LINE.findall(text)[-1])
+                self.feed_port = int(FEED_LINE.findall(text)[-1])
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited at start-up:\n{text[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not listen within {timeout} s:\n{text[-4000:]}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 120) -> None:
+        """SIGINT; it must drain, persist, say "stopped cleanly" and exit 0."""
+        assert self.proc is not None
+        seen = self.log().count("stopped cleanly")
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        if code != 0 or self.log().count("stopped cleanly") <= seen:
+            raise RuntimeError(f"the daemon exited with {code}:\n{self.log()[-4000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds so far: the main (trio) thread, and every other thread together."""
+        assert self.proc is not None
+        process = psutil.Process(self.proc.pid)
+        total = process.cpu_times()
+        main = sum(t.user_time + t.system_time for t in process.threads() if t.id == process.pid)
+        return main, total.user + total.system - main
+
+
+def feed_initial(daemon: Daemon, mutations: int, keys: int, seed: int) -> float:
+    """`indexer feed --generate N` through the real router, until persisted; its seconds."""
+    started = time.perf_counter()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "indexer",
+            "feed",
+            "--to",
+            daemon.feed_address,
+            "--generate",
+            str(mutations),
+            "--keys",
+            str(keys),
+            "--seed",
+            str(seed),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the feed failed ({done.returncode}): {done.stderr.strip()}")
+    return time.perf_counter() - started
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP scans
+
+
+class ChunkReader(io.RawIOBase):
+    """A readable file over an iterator of byte chunks (an HTTP body as it arrives)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        super().__init__()
+        self._chunks = chunks
+        self._view = memoryview(b"")
+        self.total = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._view:
+            try:
+                chunk = next(self._chunks)
+            except StopIteration:
+                return 0
+            self.total += len(chunk)
+            self._view = memoryview(chunk)
+        n = min(len(buffer), len(self._view))
+        buffer[:n] = self._view[:n]
+        self._view = self._view[n:]
+        return n
+
+
+@dataclass
+class Scan:
+    """One scan format's runs: rows, body bytes, seconds of each run, daemon CPU of the best."""
+
+    name: str
+    rows: int = 0
+    body_bytes: int = 0
+    seconds: list[float] = field(default_factory=list)
+    daemon_main_cpu_s: float = 0.0
+    daemon_thread_cpu_s: float = 0.0
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def per_s(self) -> float:
+        return self.rows / self.best
+
+
+def scan_ndjson(client: httpx.Client, url: str, params: dict[str, str]) -> tuple[int, int]:
+    """Stream an NDJSON scan; (rows, body bytes)."""
+    rows = size = 0
+    with client.stream("GET", url, params=params) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"scan: HTTP {response.status_code}: {response.text[:200]}")
+        for chunk in response.iter_raw():
+            rows += chunk.count(b"\n")
+            size += len(chunk)
+    return rows, size
+
+
+def scan_arrow(client: httpx.Client, url: str, params: dict[str, str]) -> tuple[int, int]:
+    """Stream an Arrow IPC scan, decoding record batches as they arrive; (rows, body bytes)."""
+    rows = 0
+    with client.stream("GET", url, params=params, headers={"Accept": ARROW}) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"scan: HTTP {response.status_code}: {response.text[:200]}")
+        if not response.headers.get("content-type", "").startswith(ARROW):
+            raise RuntimeError(f"asked for Arrow, got {response.headers.get('content-type')}")
+        raw = ChunkReader(response.iter_raw())
+        reader = pyarrow.ipc.open_stream(io.BufferedReader(raw, 1 << 20))
+        for batch in reader:
+            rows += batch.num_rows
+    return rows, raw.total
+
+
+def measure_scan(
+    name: str,
+    run: Callable[[httpx.Client, str, dict[str, str]], tuple[int, int]],
+    client: httpx.Client,
+    daemon: Daemon,
+    params: dict[str, str],
+) -> Scan:
+    """HTTP_REPEATS runs of one scan; the daemon's CPU is kept for the fastest."""
+    url = f"{daemon.url}/indexes/{SCAN_INDEX}/scan"
+    scan = Scan(name)
+    for _ in range(HTTP_REPEATS):
+        cpu_before = daemon.cpu()
+        started = time.perf_counter()
+        rows, size = run(client, url, params)
+        seconds = time.perf_counter() - started
+        cpu_after = daemon.cpu()
+        if scan.seconds and rows != scan.rows:
+            raise RuntimeError(f"{name}: {rows} rows, then {scan.rows}: the index changed")
+        if not scan.seconds or seconds < scan.best:
+            scan.daemon_main_cpu_s = cpu_after[0] - cpu_before[0]
+            scan.daemon_thread_cpu_s = cpu_after[1] - cpu_before[1]
+        scan.rows, scan.body_bytes = rows, size
+        scan.seconds.append(seconds)
+    return scan
+
+
+def report_scan(scan: Scan, raw_per_s: float | None = None) -> None:
+    """One line per scan format."""
+    runs = ", ".join(f"{s:.3f}" for s in scan.seconds)
+    vs_raw = "" if raw_per_s is None else f"; {scan.per_s / raw_per_s:.3f} x raw"
+    say(
+        f"{scan.name}: {scan.per_s:,.0f} rows/s ({scan.rows} rows, "
+        f"{scan.body_bytes / scan.rows:.1f} B/row, "
+        f"{scan.body_bytes / scan.best / 2**20:.1f} MiB/s; "
+        f"runs {runs} s; daemon CPU in the best run {scan.daemon_main_cpu_s:.2f} s main thread + "
+        f"{scan.daemon_thread_cpu_s:.2f} s other threads{vs_raw})"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Spark
+
+
+@dataclass
+class SparkRun:
+    """The Spark count: rows and seconds of each run, or why it did not run."""
+
+    rows: int = 0
+    seconds: list[float] = field(default_factory=list)
+    session_s: float = 0.0
+    skipped: str | None = None
+
+    @property
+    def per_s(self) -> float | None:
+        return self.rows / min(self.seconds) if self.seconds and self.skipped is None else None
+
+
+def measure_spark(url: str) -> SparkRun:
+    """`spark.read.format("indexer")...load().count()` in one local[2] session, best of 2.
+
+    The session is built with `indexer.spark.configure` and the source registered with
+    `indexer.spark.register` (partitions default to the parallelism, 2), as `session()` does.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("indexer.spark") is None:
+        return SparkRun(skipped="indexer/spark.py does not exist (yet)")
+    if shutil.which("java") is None:
+        return SparkRun(skipped="no java on PATH")
+    try:
+        from pyspark.sql import SparkSession
+
+        from indexer.spark import FORMAT, configure, register
+    except ImportError as exc:
+        return SparkRun(skipped=f"cannot import: {exc}")
+    result = SparkRun()
+    started = time.perf_counter()
+    builder = SparkSession.builder.master("local[2]").appName("indexer-scan-bench")
+    builder = configure(builder.config("spark.ui.enabled", "false"), "local[2]")
+    try:
+        spark = builder.getOrCreate()
+    except Exception as exc:
+        return SparkRun(skipped=f"cannot start Spark: {type(exc).__name__}: {exc}"[:300])
+    try:
+        spark.sparkContext.setLogLevel("ERROR")
+        register(spark)
+        result.session_s = time.perf_counter() - started
+        for _ in range(SPARK_REPEATS):
+            started = time.perf_counter()
+            frame = spark.read.format(FORMAT).option("url", url).option("index", SCAN_INDEX)
+            rows = frame.load().count()
+            result.seconds.append(time.perf_counter() - started)
+            result.rows = rows
+    except Exception as exc:
+        message = str(exc).strip().splitlines()
+        result.skipped = f"failed: {type(exc).__name__}: {message[0] if message else ''}"[:300]
+    finally:
+        spark.stop()
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Raw: the same store read in this process
+
+
+@dataclass
+class Raw:
+    """Rows/s of the store read in-process, from the bare iterator to the daemon's encoders."""
+
+    rows: int
+    bare_s: list[float]
+    decode_s: list[float]
+    ndjson_s: list[float]
+    arrow_s: list[float]
+    range_rows: int
+    range_bare_s: list[float]
+
+    def per_s(self, seconds: list[float], rows: int | None = None) -> float:
+        return (self.rows if rows is None else rows) / min(seconds)
+
+    def maybe_per_s(self, seconds: list[float]) -> int | None:
+        """Rounded rows/s of the whole index, None when not measured."""
+        return round(self.per_s(seconds)) if seconds else None
+
+
+def best_of(repeats: int, run: Callable[[], int]) -> tuple[int, list[float]]:
+    """Call `run` `repeats` times; the rows it returned (always the same) and each run's time."""
+    times = []
+    rows = -1
+    for _ in range(repeats):
+        started = time.perf_counter()
+        got = run()
+        times.append(time.perf_counter() - started)
+        if rows >= 0 and got != rows:
+            raise RuntimeError(f"{got} rows, then {rows}")
+        rows = got
+    return rows, times
+
+
+def stream_in_process(store: IndexStore, index: StoredIndex, arrow: bool) -> int:
+    """The daemon's own NDJSON or Arrow streaming code over the whole index, no HTTP: body bytes.
+
+    `HttpApi._stream_ndjson` / `_stream_arrow` read nothing from the API object, so they run on a
+    bare instance, with a stand-in for the snapshot (number, seqno sum) and an ASGI `send` that
+    only counts bytes.
+    """
+    from indexer.http import HttpApi
+
+    api = object.__new__(HttpApi)
+    snap = cast(Any, SimpleNamespace(number=0, timestamp=SimpleNamespace(total=0)))
+    size = 0
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal size
+        size += len(message.get("body", b""))
+
+    async def run() -> None:
+        rows = iterate(store, index, None, KeyRange())
+        if arrow:
+            await api._stream_arrow(index, snap, rows, send, {})
+        else:
+            await api._stream_ndjson(rows, send, {})
+
+    trio.run(run)
+    return size
+
+
+def measure_raw(data_dir: Path) -> Raw:
+    """The stopped daemon's store: bare iterator, + decoding, + the daemon's encoders."""
+    from indexer.scans import key_range
+
+    with IndexStore(data_dir, create=False) as store:
+        index = store.index(SCAN_INDEX)
+        db = store.db
+        prefix = index.main_prefix
+        cut = len(prefix)
+        nkeys = len(index.definition.keys)
+
+        def bare() -> int:
+            n = 0
+            for _ in db.iterator(prefix=prefix, include_value=False):
+                n += 1
+            return n
+
+        def decode() -> int:
+            n = 0
+            for key in db.iterator(prefix=prefix, include_value=False):
+                split_entry(key[cut:], nkeys)
+                n += 1
+            return n
+
+        bounds = key_range(
+            nkeys,
+            low=json.loads(RANGE["low"]),
+            high=json.loads(RANGE["high"]),
+            inclusion=RANGE["inclusion"],
+            has_low=True,
+            has_high=True,
+        )
+        start = prefix + (bounds.start or b"")
+        stop = prefix + bounds.stop if bounds.stop is not None else None
+
+        def bare_range() -> int:
+            n = 0
+            for _ in db.iterator(start=start, stop=stop, include_value=False):
+                n += 1
+            return n
+
+        rows, bare_s = best_of(RAW_REPEATS, bare)
+        _, decode_s = best_of(DECODE_REPEATS, decode)
+        ndjson_s: list[float] = []
+        arrow_s: list[float] = []
+        try:
+            _, ndjson_s = best_of(DECODE_REPEATS, lambda: stream_in_process(store, index, False))
+            _, arrow_s = best_of(DECODE_REPEATS, lambda: stream_in_process(store, index, True))
+        except Exception as exc:  # private methods: a diagnostic, never worth the whole run
+            say(f"in-process streaming code: not measured ({type(exc).__name__}: {exc})")
+        range_rows, range_s = best_of(RAW_REPEATS, bare_range)
+    return Raw(rows, bare_s, decode_s, ndjson_s, arrow_s, range_rows, range_s)
+
+
+# --------------------------------------------------------------------------------------------
+# The feeder process (`--feeder`): the workload continued at a steady rate
+
+
+class AckDrain(threading.Thread):
+    """Reads the daemon's frames (acks) so its sends never block; keeps the first error."""
+
+    def __init__(self, sock: socket.socket, decoder: p.FrameDecoder) -> None:
+        super().__init__(daemon=True)
+        self.sock = sock
+        self.decoder = decoder
+        self.error: str | None = None
+        self.acks = 0
+
+    def run(self) -> None:
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    return
+                self.decoder.feed(data)
+                for message in self.decoder.messages():
+                    if isinstance(message, p.Error):
+                        self.error = f"{message.code.name}: {message.message}"
+                    elif isinstance(message, p.Ack):
+                        self.acks += 1
+        except (OSError, p.ProtocolError) as exc:
+            if self.error is None:
+                self.error = f"ack reader: {exc}"
+
+
+def read_reply(sock: socket.socket, decoder: p.FrameDecoder) -> p.HandshakeReply:
+    """The handshake reply on a blocking socket."""
+    while True:
+        messages = decoder.messages()
+        if messages:
+            reply = messages[0]
+            if not isinstance(reply, p.HandshakeReply) or len(messages) > 1:
+                raise RuntimeError(f"expected a handshake reply alone, got {messages!r}")
+            return reply
+        data = sock.recv(1 << 16)
+        if not data:
+            raise RuntimeError("the daemon closed the connection during the handshake")
+        decoder.feed(data)
+
+
+def run_feeder(port: int, skip: int, keys: int, seed: int, rate: float) -> dict[str, Any]:
+    """Continue the workload after its first `skip` mutations at `rate` mutations/s until stdin
+    closes; every FEED_TICK_S, send the frames of everything generated since the last tick."""
+    sock = socket.create_connection((HOST, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    decoder = p.FrameDecoder(64 << 20)
+    n = load_config(None).server.num_vbuckets
+    sock.sendall(p.encode(p.Handshake("scan-bench-feeder", n, tuple(range(n)))))
+    reply = read_reply(sock, decoder)
+    encoder = StreamEncoder(reply)
+    # Long enough for any run: the generator is lazy.
+    documents = generate(Workload(skip + 10**9, keys, DELETE_RATIO, seed))
+    # The daemon's restart timestamp covers these: the encoder skips them (frames, if any, are
+    # of mutations it did not report persisted; they go out with the first tick).
+    frames: list[bytes] = []
+    for document in islice(documents, skip):
+        frames.extend(encoder.add(document))
+    stop = threading.Event()
+
+    def wait_stdin() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=wait_stdin, daemon=True).start()
+    drain = AckDrain(sock, decoder)
+    drain.start()
+    print("feeding", flush=True)
+    sent_before = encoder.sent
+    started = time.perf_counter()
+    sent_bytes = 0
+    behind = 0.0
+    tick = 0
+    while not stop.is_set() and drain.error is None:
+        tick += 1
+        due = started + tick * FEED_TICK_S
+        want = int(rate * tick * FEED_TICK_S) - (encoder.sent - sent_before)
+        for document in islice(documents, max(want, 0)):
+            frames.extend(encoder.add(document))
+        frames.extend(encoder.finish())
+        payload = b"".join(frames)
+        frames.clear()
+        sock.sendall(payload)
+        sent_bytes += len(payload)
+        late = time.perf_counter() - due
+        behind = max(behind, late)
+        if late < 0:
+            stop.wait(-late)
+    seconds = time.perf_counter() - started
+    if drain.error is None:
+        ends = [p.encode(p.StreamEnd(vb, default_vbuuid(vb))) for vb in sorted(encoder.begun)]
+        sock.sendall(b"".join(ends))
+    sock.close()
+    return {
+        "skipped": encoder.skipped,
+        "sent": encoder.sent - sent_before,
+        "resent": sent_before,
+        "seconds": seconds,
+        "bytes": sent_bytes,
+        "max_late_s": behind,
+        "acks": drain.acks,
+        "error": drain.error,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# request_plus latency while the feeder runs
+
+
+class SnapshotPoller(threading.Thread):
+    """Polls GET /snapshots: when each readable snapshot was published, which were persisted."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.created: dict[int, float] = {}
+        self.persisted: set[int] = set()
+        self.polls = 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.stopped.is_set():
+                body = client.get(self.url + "/snapshots").json()
+                self.polls += 1
+                if body["stable"]:
+                    self.created[body["stable"]["snapshot"]] = body["stable"]["created_at"]
+                if body["persisted"]:
+                    self.persisted.add(body["persisted"]["snapshot"])
+                self.stopped.wait(POLL_S)
+
+    def flush_times(self, interval_s: float) -> tuple[list[float], list[float]]:
+        """Per cycle between consecutive publishes: (gap - interval) without and with a persist."""
+        plain: list[float] = []
+        persisting: list[float] = []
+        numbers = sorted(self.created)
+        for a, b in pairwise(numbers):
+            if b != a + 1:
+                continue
+            extra = self.created[b] - self.created[a] - interval_s
+            (persisting if a in self.persisted else plain).append(extra)
+        return plain, persisting
+
+
+@dataclass
+class Latency:
+    """request_plus and any latencies under the feed, and what the feed and the daemon did."""
+
+    request_plus_ms: list[float]
+    any_ms: list[float]
+    wait_ms: list[float]
+    flush_ms: list[float]
+    persist_cycle_ms: list[float]
+    polls: int
+    feeder: dict[str, Any]
+    feed_seconds: float
+    ingested: int
+    daemon_main_cpu_s: float
+    daemon_thread_cpu_s: float
+    queued_at_end: int
+
+
+def measure_latency(
+    daemon: Daemon, opts: argparse.Namespace, interval_s: float, workdir: Path
+) -> Latency:
+    """Start the feeder, let it settle, time the requests, stop the feeder."""
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--feeder",
+        str(daemon.feed_port),
+        "--mutations",
+        str(opts.mutations),
+        "--keys",
+        str(opts.keys),
+        "--seed",
+        str(opts.seed),
+        "--feed-rate",
+        str(opts.feed_rate),
+    ]
+    errors_path = workdir / "feeder.err"
+    with open(errors_path, "wb") as errors:
+        feeder = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
+        )
+    assert feeder.stdin is not None and feeder.stdout is not None
+    rng = random.Random(opts.seed)
+    plus: list[tuple[float, float, int]] = []  # (wall time sent, ms, snapshot number)
+    anys: list[float] = []
+    count_url = f"{daemon.url}/indexes/{COUNT_INDEX}/count"
+    poller = SnapshotPoller(daemon.url)
+    try:
+        line = feeder.stdout.readline()
+        if line.strip() != "feeding":
+            raise RuntimeError(f"the feeder did not start: {line!r} {errors_path.read_text()}")
+        time.sleep(WARMUP_S)
+        with httpx.Client(timeout=60) as client:
+
+            def timed(consistency: str) -> tuple[float, float, int]:
+                time.sleep(rng.uniform(0, interval_s))
+                sent = time.time()
+                t0 = time.perf_counter()
+                response = client.get(count_url, params={"consistency": consistency})
+                ms = (time.perf_counter() - t0) * 1000
+                if response.status_code != 200:
+                    raise RuntimeError(f"count: HTTP {response.status_code}: {response.text}")
+                return sent, ms, int(response.json()["snapshot"])
+
+            before = client.get(daemon.url + "/stats").json()
+            cpu_before = daemon.cpu()
+            started = time.perf_counter()
+            poller.start()
+            for i in range(opts.requests):
+                if feeder.poll() is not None:
+                    raise RuntimeError(f"the feeder stopped early: {errors_path.read_text()}")
+                plus.append(timed("request_plus"))
+                if i % ANY_EVERY == ANY_EVERY - 1:
+                    anys.append(timed("any")[1])
+            seconds = time.perf_counter() - started
+            cpu_after = daemon.cpu()
+            after = client.get(daemon.url + "/stats").json()
+            poller.stopped.set()
+            poller.join()
+        out, _ = feeder.communicate(input="", timeout=60)
+        result = json.loads(out.strip().splitlines()[-1])
+        if result["error"]:
+            raise RuntimeError(f"the feeder failed: {result['error']}")
+    finally:
+        poller.stopped.set()
+        if feeder.poll() is None:
+            feeder.kill()
+            feeder.wait()
+    plain, persisting = poller.flush_times(interval_s)
+    # How long each request waited for the snapshot it read to be published (0: it was already).
+    waits = [
+        max(0.0, (poller.created[number] - sent) * 1000)
+        for sent, _, number in plus
+        if number in poller.created
+    ]
+    return Latency(
+        request_plus_ms=[ms for _, ms, _ in plus],
+        any_ms=anys,
+        wait_ms=waits,
+        flush_ms=[s * 1000 for s in plain],
+        persist_cycle_ms=[s * 1000 for s in persisting],
+        polls=poller.polls,
+        feeder=result,
+        feed_seconds=seconds,
+        ingested=after["vbuckets"]["received_seqno_sum"] - before["vbuckets"]["received_seqno_sum"],
+        daemon_main_cpu_s=cpu_after[0] - cpu_before[0],
+        daemon_thread_cpu_s=cpu_after[1] - cpu_before[1],
+        queued_at_end=sum(q["queued"] for q in after["queues"]),
+    )
+
+
+def summarize_ms(values: Sequence[float]) -> str:
+    """p50 / p99 / max of a list of milliseconds."""
+    return (
+        f"p50 {percentile(values, 50):.1f} ms, p99 {percentile(values, 99):.1f} ms, "
+        f"max {max(values):.1f} ms"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line; --feeder PORT is the feeder child process's mode."""
+    parser = argparse.ArgumentParser(
+        description="Scan benchmark: HTTP (NDJSON, Arrow) and Spark scans vs a raw plyvel "
+        "iterator; request_plus latency under a feed."
+    )
+    parser.add_argument("--mutations", type=int, default=300_000, help="default 300,000")
+    parser.add_argument("--keys", type=int, default=100_000, help="docids (default 100,000)")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--skip-spark", action="store_true", help="do not run the Spark scan")
+    parser.add_argument(
+        "--requests", type=int, default=200, help="request_plus requests (default 200)"
+    )
+    parser.add_argument(
+        "--feed-rate",
+        type=float,
+        default=20_000,
+        help="mutations/s of the feed during the latency measurement (default 20,000)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temp directory")
+    parser.add_argument("--feeder", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.mutations < 1 or opts.keys < 1 or opts.requests < 1 or opts.feed_rate <= 0:
+        parser.error("--mutations, --keys, --requests and --feed-rate must be positive")
+    return opts
+
+
+def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Every measurement in order; the JSON summary."""
+    load_start = os.getloadavg()[0]
+    daemon = Daemon(workdir)
+    config = load_config(daemon.config_path)
+    interval_s = config.snapshots.in_memory_interval_s
+    say(
+        f"workload: {opts.mutations} mutations over {opts.keys} docids, {DELETE_RATIO:.0%} "
+        f"deletes, seed {opts.seed}; indexes: "
+        + ", ".join(f"{i.name}({', '.join(i.keys)})" for i in config.indexes)
+        + f"; in-memory snapshots every {interval_s * 1000:g} ms, persisted every "
+        f"{config.snapshots.persist_interval_s * 1000:g} ms; {os.cpu_count()} cores, "
+        f"Python {sys.version.split()[0]}, pyarrow {pa.__version__}"
+    )
+    try:
+        daemon.start()
+        fed_s = feed_initial(daemon, opts.mutations, opts.keys, opts.seed)
+        with httpx.Client(timeout=300) as client:
+            entries = {
+                i["name"]: i["entries"]
+                for i in client.get(daemon.url + "/indexes").json()["indexes"]
+            }
+            say(
+                f"fed and persisted in {fed_s:.1f} s (indexer feed); entries: "
+                + ", ".join(f"{k} {v}" for k, v in entries.items())
+            )
+            ndjson = measure_scan("HTTP NDJSON full scan", scan_ndjson, client, daemon, {})
+            arrow = measure_scan("HTTP Arrow full scan", scan_arrow, client, daemon, {})
+            range_ndjson = measure_scan(
+                "HTTP NDJSON range scan", scan_ndjson, client, daemon, RANGE
+            )
+            range_arrow = measure_scan("HTTP Arrow range scan", scan_arrow, client, daemon, RANGE)
+        for scan in (ndjson, arrow, range_ndjson, range_arrow):
+            report_scan(scan)
+        if not ndjson.rows == arrow.rows == entries[SCAN_INDEX]:
+            raise RuntimeError(
+                f"rows: NDJSON {ndjson.rows}, Arrow {arrow.rows}, index {entries[SCAN_INDEX]}"
+            )
+
+        spark = SparkRun(skipped="--skip-spark") if opts.skip_spark else measure_spark(daemon.url)
+        if spark.skipped is not None:
+            say(f"Spark: skipped ({spark.skipped})")
+        else:
+            runs = ", ".join(f"{s:.2f}" for s in spark.seconds)
+            say(
+                f"Spark count(): {spark.per_s:,.0f} rows/s ({spark.rows} rows; runs {runs} s; "
+                f"session start-up {spark.session_s:.1f} s, not counted)"
+            )
+            if spark.rows != entries[SCAN_INDEX]:
+                say(
+                    f"WARNING: Spark counted {spark.rows} rows, the index has {entries[SCAN_INDEX]}"
+                )
+
+        daemon.stop()
+        raw = measure_raw(daemon.data_dir)
+        raw_per_s = raw.per_s(raw.bare_s)
+        if raw.rows != arrow.rows or raw.range_rows != range_arrow.rows:
+            raise RuntimeError(
+                f"raw rows {raw.rows}/{raw.range_rows}, HTTP {arrow.rows}/{range_arrow.rows}"
+            )
+        say(
+            f"raw plyvel iterator: {raw_per_s:,.0f} rows/s ({raw.rows} rows, best of "
+            f"{RAW_REPEATS}: {min(raw.bare_s) * 1000:.1f} ms); range {raw.range_rows} rows: "
+            f"{raw.per_s(raw.range_bare_s, raw.range_rows):,.0f} rows/s"
+        )
+        say(
+            "in-process breakdown (same store, no HTTP): iterator + split_entry "
+            f"{raw.per_s(raw.decode_s):,.0f} rows/s; the daemon's NDJSON streaming code "
+            f"{rate(raw.maybe_per_s(raw.ndjson_s))}; its Arrow streaming code "
+            f"{rate(raw.maybe_per_s(raw.arrow_s))}"
+        )
+        for scan, rows_per_s in (
+            (ndjson, raw_per_s),
+            (arrow, raw_per_s),
+            (range_ndjson, raw.per_s(raw.range_bare_s, raw.range_rows)),
+            (range_arrow, raw.per_s(raw.range_bare_s, raw.range_rows)),
+        ):
+            say(f"  {scan.name}: {scan.per_s / rows_per_s:.3f} x raw")
+
+        daemon.start()
+        latency = measure_latency(daemon, opts, interval_s, workdir)
+        daemon.stop()
+    finally:
+        daemon.kill()
+
+    plus = latency.request_plus_ms
+    flush_mean = statistics.fmean(latency.flush_ms) if latency.flush_ms else None
+    target_ms = 2 * interval_s * 1000 + flush_mean if flush_mean is not None else None
+    feeder = latency.feeder
+    say(
+        f"feed during the latency run: {feeder['sent'] / feeder['seconds']:,.0f} mutations/s sent "
+        f"(asked {opts.feed_rate:,.0f}; {feeder['sent']} mutations in {feeder['seconds']:.1f} s, "
+        f"frames every {FEED_TICK_S * 1000:g} ms, at most {feeder['max_late_s'] * 1000:.0f} ms "
+        f"late; {feeder['skipped']} persisted mutations skipped first, {feeder['resent']} "
+        "resent); the daemon received "
+        f"{latency.ingested} in {latency.feed_seconds:.1f} s of requests, CPU "
+        f"{latency.daemon_main_cpu_s:.1f} s main thread + {latency.daemon_thread_cpu_s:.1f} s "
+        f"others; {latency.queued_at_end} queued at the end"
+    )
+    say(f"request_plus count of {COUNT_INDEX} ({len(plus)} requests): {summarize_ms(plus)}")
+    if latency.wait_ms:
+        say(
+            f"  of which waiting for the snapshot read to be published ({len(latency.wait_ms)} "
+            f"matched to a polled snapshot): {summarize_ms(latency.wait_ms)}"
+        )
+    say(
+        f"  consistency=any, same load ({len(latency.any_ms)} requests): "
+        f"{summarize_ms(latency.any_ms)}"
+    )
+    if flush_mean is not None:
+        say(
+            f"  flush time per cycle (publish gap - {interval_s * 1000:g} ms, "
+            f"{len(latency.flush_ms)} cycles without a persist, {latency.polls} polls): mean "
+            f"{flush_mean:.1f} ms, {summarize_ms(latency.flush_ms)}"
+            + (
+                f"; cycles with a persist: mean {statistics.fmean(latency.persist_cycle_ms):.1f} ms"
+                if latency.persist_cycle_ms
+                else ""
+            )
+        )
+        met = percentile(plus, 99) <= cast(float, target_ms)
+        say(
+            f"  target p99 <= 2 x {interval_s * 1000:g} ms + mean flush = {target_ms:.1f} ms: "
+            + ("met" if met else "NOT met")
+        )
+    else:
+        say("  flush time: no two consecutive snapshots were seen; no target figure")
+
+    say(
+        f"machine load average (1 min): {load_start:.2f} at the start, {os.getloadavg()[0]:.2f} now"
+    )
+    arrow_ratio = ratio(arrow.per_s, raw_per_s)
+    p99 = percentile(plus, 99)
+    summary: dict[str, Any] = {
+        "mutations": opts.mutations,
+        "keys": opts.keys,
+        "seed": opts.seed,
+        "index": SCAN_INDEX,
+        "rows": raw.rows,
+        "raw_rows_per_s": round(raw_per_s),
+        "raw_decode_rows_per_s": round(raw.per_s(raw.decode_s)),
+        "inprocess_ndjson_rows_per_s": raw.maybe_per_s(raw.ndjson_s),
+        "inprocess_arrow_rows_per_s": raw.maybe_per_s(raw.arrow_s),
+        "ndjson_rows_per_s": round(ndjson.per_s),
+        "arrow_rows_per_s": round(arrow.per_s),
+        "spark_rows_per_s": round(spark.per_s) if spark.per_s is not None else None,
+        "spark_skipped": spark.skipped,
+        "ratio_arrow_vs_raw": arrow_ratio,
+        "ratio_ndjson_vs_raw": ratio(ndjson.per_s, raw_per_s),
+        "ratio_arrow_vs_raw_decode": ratio(arrow.per_s, raw.per_s(raw.decode_s)),
+        "ratio_spark_vs_raw": ratio(spark.per_s, raw_per_s),
+        "ndjson_bytes_per_row": round(ndjson.body_bytes / ndjson.rows, 1),
+        "arrow_bytes_per_row": round(arrow.body_bytes / arrow.rows, 1),
+        "range_rows": raw.range_rows,
+        "range_raw_rows_per_s": round(raw.per_s(raw.range_bare_s, raw.range_rows)),
+        "range_ndjson_rows_per_s": round(range_ndjson.per_s),
+        "range_arrow_rows_per_s": round(range_arrow.per_s),
+        "request_plus_requests": len(plus),
+        "request_plus_p50_ms": round(percentile(plus, 50), 1),
+        "request_plus_p99_ms": round(p99, 1),
+        "request_plus_max_ms": round(max(plus), 1),
+        "any_p50_ms": round(percentile(latency.any_ms, 50), 1) if latency.any_ms else None,
+        "any_p99_ms": round(percentile(latency.any_ms, 99), 1) if latency.any_ms else None,
+        "snapshot_interval_ms": round(interval_s * 1000),
+        "flush_mean_ms": round(flush_mean, 1) if flush_mean is not None else None,
+        "flush_p99_ms": round(percentile(latency.flush_ms, 99), 1) if latency.flush_ms else None,
+        "request_plus_target_ms": round(target_ms, 1) if target_ms is not None else None,
+        "feed_rate_per_s": round(feeder["sent"] / feeder["seconds"]),
+        "cores": os.cpu_count(),
+        "load_avg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+    }
+    summary["targets_met"] = {
+        "arrow_vs_raw_ge_0.5": bool(arrow_ratio is not None and arrow_ratio >= 0.5),
+        "request_plus_p99_le_2_intervals_plus_flush": bool(
+            target_ms is not None and p99 <= target_ms
+        ),
+    }
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Feeder mode for the child process, else the whole benchmark."""
+    opts = parse_args(argv)
+    if opts.feeder is not None:
+        result = run_feeder(opts.feeder, opts.mutations, opts.keys, opts.seed, opts.feed_rate)
+        print(json.dumps(result), flush=True)
+        return 0
+    workdir = Path(tempfile.mkdtemp(prefix="scan-bench-"))
+    try:
+        summary = run(opts, workdir)
+    finally:
+        if opts.keep:
+            say(f"kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
