@@ -102,10 +102,14 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
         started = time.monotonic()
         await trio.to_thread.run_sync(cache.load, store, indexes)
         entry_counts = [0] * len(indexes)
-        for keys in cache.entries.values():
-            for j, key in enumerate(keys):
-                if key:
-                    entry_counts[j] += 1
+        if cache.complete:
+            for keys in cache.entries.values():
+                for j, key in enumerate(keys):
+                    if key:
+                        entry_counts[j] += 1
+        else:  # the cache holds part of the back index: count the main entries instead
+            for j, index in enumerate(indexes):
+                entry_counts[j] = await trio.to_thread.run_sync(store.count_main, index)
         log.info(
             "back index: %d documents loaded in %.2f s (%s)",
             len(cache.entries),
@@ -142,6 +146,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             config.snapshots.in_memory_interval_s,
             config.snapshots.persist_interval_s,
             entry_counts,
+            indexes,
         )
         registry = StreamRegistry(server.owned_vbuckets, restart.seqnos)
         capacity = config.pipeline.channel_batches

@@ -360,9 +360,11 @@ class HttpApi:
                 "x-indexer-seqno-sum": str(snap.timestamp.total),
             }
             if count_only:
-                n = await trio.to_thread.run_sync(
-                    count_entries, self.view.store, index, snap.store_snapshot, bounds
-                )
+                n = snap.entry_counts.get(index.definition.name)
+                if n is None or bounds.start is not None or bounds.stop is not None:
+                    n = await trio.to_thread.run_sync(
+                        count_entries, self.view.store, index, snap.store_snapshot, bounds
+                    )
                 await _json(send, 200, {"count": n, "snapshot": snap.number}, meta)
                 return
             chunks = entry_runs(

@@ -118,10 +118,18 @@ class StabilitySnapshot:
     or read by a scan (each holds a reference); the last reference out closes it.
     """
 
-    def __init__(self, number: int, timestamp: StabilityTimestamp, store_snapshot: Any) -> None:
+    def __init__(
+        self,
+        number: int,
+        timestamp: StabilityTimestamp,
+        store_snapshot: Any,
+        entry_counts: dict[str, int] | None = None,
+    ) -> None:
         self.number = number
         self.timestamp = timestamp
         self.store_snapshot = store_snapshot
+        # Entries per index name as the snapshot shows them: whole-index counts need no walk.
+        self.entry_counts = entry_counts or {}
         self.created_at = time.time()
         self._refs = 0
 
@@ -176,9 +184,16 @@ class SnapshotStore:
         self._persist_lag = 0.0
         self._changed = trio.Event()
 
-    def publish(self, timestamp: StabilityTimestamp, store_snapshot: Any) -> StabilitySnapshot:
+    def publish(
+        self,
+        timestamp: StabilityTimestamp,
+        store_snapshot: Any,
+        entry_counts: dict[str, int] | None = None,
+    ) -> StabilitySnapshot:
         self._numbers += 1
-        snapshot = StabilitySnapshot(self._numbers, timestamp, store_snapshot).acquire()
+        snapshot = StabilitySnapshot(
+            self._numbers, timestamp, store_snapshot, entry_counts
+        ).acquire()
         old = self.stable
         self.stable = snapshot
         if old is not None:

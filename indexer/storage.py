@@ -209,6 +209,10 @@ class IndexStore:
         for key, value in self.db.iterator(prefix=prefix):
             yield key[cut:], value
 
+    def count_main(self, index: StoredIndex) -> int:
+        """How many main-index entries an index has (a walk over its keys; blocking)."""
+        return sum(1 for _ in self.main_entries(index))
+
     def main_entries(self, index: StoredIndex, snapshot: Any = None) -> Iterator[bytes]:
         """Main-index entries (encoded key + docid, prefix stripped) in index order."""
         prefix = index.main_prefix

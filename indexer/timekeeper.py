@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from indexer.snapshots import SnapshotStore, StabilityTimestamp, write_snapshot_file
-from indexer.storage import IndexStore
+from indexer.storage import IndexStore, StoredIndex
 
 if TYPE_CHECKING:
     from workers.worker import Worker
@@ -89,6 +89,7 @@ class Timekeeper:
         in_memory_interval_s: float,
         persist_interval_s: float,
         entry_counts: Sequence[int],
+        indexes: Sequence[StoredIndex] = (),
     ) -> None:
         self.hwt = hwt
         self.workers = workers
@@ -110,6 +111,7 @@ class Timekeeper:
         self._puts = 0
         self._deletes = 0
         self.entry_counts = list(entry_counts)
+        self.indexes = indexes  # the live list, in the order of entry_counts
 
     def stop(self) -> None:
         """Ask `run` to flush what is stable, persist it and return."""
@@ -117,7 +119,7 @@ class Timekeeper:
 
     async def run(self) -> None:
         # What the store holds at start is readable at once: the recovered timestamp.
-        start = self.snapshots.publish(self._stable, self.store.snapshot())
+        start = self.snapshots.publish(self._stable, self.store.snapshot(), self._counts())
         self.snapshots.record_persisted(start, 0.0)
         last_persist = trio.current_time()
         # A fixed cadence: a cut that takes long does not push the next one a whole interval away.
@@ -150,13 +152,18 @@ class Timekeeper:
             self._stable = ts
             self._flushes += 1
             if all(h <= s for h, s in zip(self._store_high, ts.seqnos, strict=True)):
-                self.snapshots.publish(ts, self.store.snapshot())
+                self.snapshots.publish(ts, self.store.snapshot(), self._counts())
             return True
         if any(w.blocked for w in self.workers):
             # The queues are full of snapshots not yet complete: write them without publishing.
             await self.drain_all()
             self._memory_flushes += 1
         return False
+
+    def _counts(self) -> dict[str, int]:
+        return {
+            i.definition.name: n for i, n in zip(self.indexes, self.entry_counts, strict=True)
+        }
 
     async def drain_all(self, then: Callable[[], None] | None = None) -> None:
         """Write everything queued, aligned or not, without publishing it (see `cut`).

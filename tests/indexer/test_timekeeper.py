@@ -84,7 +84,7 @@ async def test_cut_flushes_aligned_snapshots_and_persist_records_them(tmp_path: 
             for i in range(2)
         ]
         snapshots = SnapshotStore(start)
-        keeper = Timekeeper(hwt, workers, store, snapshots, tmp_path, 0.01, 0.01, [0])
+        keeper = Timekeeper(hwt, workers, store, snapshots, tmp_path, 0.01, 0.01, [0], indexes)
         sends = []
         async with trio.open_nursery() as nursery:
             for w in workers:
@@ -109,6 +109,7 @@ async def test_cut_flushes_aligned_snapshots_and_persist_records_them(tmp_path: 
             await trio.testing.wait_all_tasks_blocked()
             await keeper.cut()
             assert snapshots.stable.timestamp.seqnos[2:4] == (3, 4)
+            assert snapshots.stable.entry_counts == {"by_n": 7}
             assert keeper.statistics().entry_counts == (7,)
             for s in sends:
                 await s.aclose()

@@ -104,3 +104,10 @@ def test_changed_index_keys_are_refused(tmp_path: Path) -> None:
         s.ensure_indexes(DEFS)
     with IndexStore(tmp_path) as s, pytest.raises(Exception, match="stored with keys"):
         s.ensure_indexes([p.IndexDefinition("by_city", ("town",))])
+
+
+def test_counts_survive_a_restart_with_a_cache_too_small(tmp_path: Path) -> None:
+    with IndexStore(tmp_path) as s:
+        writer(s).apply([record(1, f"d{i}", f"c{i % 7}", i if i % 3 else None) for i in range(30)])
+        by_city, by_age = s.ensure_indexes(DEFS)
+        assert (s.count_main(by_city), s.count_main(by_age)) == (30, 20)
