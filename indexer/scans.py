@@ -106,26 +106,31 @@ def iterate(
     limit: int | None = None,
 ) -> Iterator[Row]:
     """Rows of `index` within `bounds` in index order, read from a LevelDB snapshot."""
-    prefix = index.main_prefix
-    cut = len(prefix)
+    cut = len(index.main_prefix)
     count = len(index.definition.keys)
-    start = prefix + (bounds.start or b"")
-    stop = prefix + bounds.stop if bounds.stop is not None else _after(prefix)
-    source = snapshot if snapshot is not None else store.db
-    entries = source.iterator(start=start, stop=stop, include_value=False)
-    for entry in entries if limit is None else islice(entries, limit):
+    for entry in _entries(store, index, snapshot, bounds, limit):
         values, docid = split_entry(entry[cut:], count)
         yield Row(values, docid.decode("utf-8", errors="replace"))
 
 
 def count_entries(store: IndexStore, index: StoredIndex, snapshot: Any, bounds: KeyRange) -> int:
+    return sum(1 for _ in _entries(store, index, snapshot, bounds))
+
+
+def _entries(
+    store: IndexStore,
+    index: StoredIndex,
+    snapshot: Any,
+    bounds: KeyRange,
+    limit: int | None = None,
+) -> Iterator[bytes]:
+    """Main-index entry keys (prefix included) within `bounds`, from a snapshot or the store."""
     prefix = index.main_prefix
     start = prefix + (bounds.start or b"")
     stop = prefix + bounds.stop if bounds.stop is not None else _after(prefix)
     source = snapshot if snapshot is not None else store.db
-    return sum(
-        1 for _ in source.iterator(start=start, stop=stop, include_key=False, include_value=False)
-    )
+    entries: Iterator[bytes] = source.iterator(start=start, stop=stop, include_value=False)
+    return entries if limit is None else islice(entries, limit)
 
 
 def splits(
@@ -187,15 +192,9 @@ def entry_runs(
     key is decoded once per run rather than once per row. An entry that starts with the bytes of
     the previous key has that key: every encoded component is self-delimiting.
     """
-    prefix = index.main_prefix
-    cut = len(prefix)
+    cut = len(index.main_prefix)
     count = len(index.definition.keys)
-    start = prefix + (bounds.start or b"")
-    stop = prefix + bounds.stop if bounds.stop is not None else _after(prefix)
-    source = snapshot if snapshot is not None else store.db
-    entries: Iterator[bytes] = source.iterator(start=start, stop=stop, include_value=False)
-    if limit is not None:
-        entries = islice(entries, limit)
+    entries = _entries(store, index, snapshot, bounds, limit)
     previous = AFTER_PREFIX  # never the first byte of a key
     values: list[Any] = []
     while True:
