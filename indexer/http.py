@@ -11,6 +11,7 @@ Routes (JSON unless said otherwise; errors are `{"error": message}` with a 4xx/5
     GET    /indexes/NAME/splits      key ranges of about equal size, for parallel readers
     GET    /snapshots                the latest readable, the persisted and the pinned snapshots
     POST   /snapshots/pin            pin a snapshot under a lease -> {"id": ...}
+    POST   /snapshots/ID/renew       extend a pin's lease
     DELETE /snapshots/ID             release a pin
 
 Every scan answer names the snapshot it read: headers `X-Indexer-Snapshot` (its number) and
@@ -69,7 +70,7 @@ MAX_LEASE_S = 86400.0
 CONSISTENCIES = ("any", "request_plus", "at_plus")
 INDEX_ROUTE = re.compile(r"^/indexes/([A-Za-z][A-Za-z0-9_]{0,63})/(scan|count|splits)$")
 INDEX_ITEM = re.compile(r"^/indexes/([A-Za-z][A-Za-z0-9_]{0,63})$")
-PIN_ROUTE = re.compile(r"^/snapshots/(p\d+)$")
+PIN_ROUTE = re.compile(r"^/snapshots/(p\d+)(/renew)?$")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -169,9 +170,18 @@ class HttpApi:
             _only(method, "POST")
             await self.pin(await _body_json(receive), send)
         elif match := PIN_ROUTE.match(path):
+            pin_id = match.group(1)
+            if match.group(2):  # POST /snapshots/ID/renew {"lease_s": ...}
+                _only(method, "POST")
+                request = await _body_json(receive)
+                lease = _number(request.get("lease_s", DEFAULT_LEASE_S), "lease_s", 1, MAX_LEASE_S)
+                if self.view.snapshots.renew(pin_id, lease) is None:
+                    raise ApiError(404, f"no pin {pin_id!r} (released or expired)")
+                await _json(send, 200, {"id": pin_id, "lease_s": lease})
+                return
             _only(method, "DELETE")
-            if not self.view.snapshots.unpin(match.group(1)):
-                raise ApiError(404, f"no pin {match.group(1)!r} (released or expired)")
+            if not self.view.snapshots.unpin(pin_id):
+                raise ApiError(404, f"no pin {pin_id!r} (released or expired)")
             await _respond(send, 204, b"", "text/plain")
         elif match := INDEX_ROUTE.match(path):
             _only(method, "GET")

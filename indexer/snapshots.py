@@ -235,6 +235,14 @@ class SnapshotStore:
         self.pins[pin.pin_id] = pin
         return pin
 
+    def renew(self, pin_id: str, lease_s: float) -> Pin | None:
+        """Extend a pin's lease to `lease_s` from now; None if it is gone."""
+        pin = self.pins.get(pin_id)
+        if pin is not None:
+            pin.lease_s = lease_s
+            pin.expires_at = time.monotonic() + lease_s
+        return pin
+
     def unpin(self, pin_id: str) -> bool:
         pin = self.pins.pop(pin_id, None)
         if pin is None:

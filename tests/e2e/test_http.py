@@ -149,9 +149,15 @@ def test_a_pinned_snapshot_is_unchanged_by_later_writes(
     assert latest == model(first + more, ["age"]) != before
     listed = httpx.get(daemon.url + "/snapshots").json()["pinned"]
     assert [p["id"] for p in listed] == [pin["id"]]
+    assert listed[0]["expires_in_s"] <= 600
+    renewed = httpx.post(f"{daemon.url}/snapshots/{pin['id']}/renew", json={"lease_s": 3600})
+    assert renewed.status_code == 200
+    listed = httpx.get(daemon.url + "/snapshots").json()["pinned"]
+    assert 600 < listed[0]["expires_in_s"] <= 3600
     assert httpx.delete(f"{daemon.url}/snapshots/{pin['id']}").status_code == 204
     gone = httpx.get(daemon.url + "/indexes/by_age/scan", params={"pin": pin["id"]})
     assert gone.status_code == 404
+    assert httpx.post(f"{daemon.url}/snapshots/{pin['id']}/renew", json={}).status_code == 404
     assert httpx.get(daemon.url + "/stats").json()["snapshots"]["pins"] == 0
     assert daemon.stop() == 0
 
