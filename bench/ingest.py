@@ -28,12 +28,10 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -46,6 +44,13 @@ from typing import Any, cast
 
 import plyvel
 import psutil
+from common import (  # bench/common.py: run as `python bench/...`
+    HOST,
+    Daemon,
+    in_workdir,
+    ratio,
+    say,
+)
 
 from indexer import protocol as p
 from indexer.config import Config, parse_config
@@ -55,7 +60,6 @@ from indexer.storage import IndexStore, StoredIndex
 from slab import SlabPool
 from workers.flush import BackIndexCache, IndexWriter
 
-HOST = "127.0.0.1"
 SEND_CHUNK = 1 << 20  # bytes per sendall: large sends, as the spec asks
 RAW_BATCH_OPS = 10_000
 FLUSH_WINDOW = 50_000  # mutations per simulated flush: ~100 ms of the daemon's intake
@@ -81,11 +85,6 @@ SMALL_INT = 256  # CPython caches ints up to this one
 
 Keys = tuple[bytes, ...]
 Op = tuple[bytes, bytes | None]  # (key, value); value None = delete
-
-
-def say(line: str) -> None:
-    """One human-readable line, flushed at once."""
-    print(line, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,70 +252,6 @@ def run_router(port: int, mutations: int, keys: int, seed: int) -> dict[str, Any
 # The daemon process
 
 
-class Daemon:
-    """`python -m indexer serve` on a temp config, its log in a file."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.data_dir = workdir / "data"
-        self.config_path = workdir / "indexer.toml"
-        self.log_path = workdir / "daemon.log"
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 60) -> int:
-        """Start it and wait for its "listening" line; the feed port it bound."""
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(
-            "[server]\n"
-            f'data_dir = "{self.data_dir}"\n'
-            f'host = "{HOST}"\n'
-            "feed_port = 0\n"
-            "http_port = 0\n"
-            'log_level = "info"\n'
-        )
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "indexer", "serve", "--config", str(self.config_path)],
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-            )
-        deadline = time.monotonic() + timeout
-        pattern = re.compile(r"listening for router feeds on [^\s]+:(\d+);")
-        while True:
-            found = pattern.search(self.log())
-            if found:
-                self.port = int(found.group(1))
-                return self.port
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited at start-up:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not listen within {timeout} s:\n{self.log()}")
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text()
-        except FileNotFoundError:
-            return ""
-
-    def stop(self, timeout: float = 120) -> int:
-        """SIGINT, then its exit code (it drains, persists and exits 0)."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 class ProcessSampler(threading.Thread):
     """Samples a process's RSS on a timer (never per mutation) and keeps the peak."""
 
@@ -387,7 +322,8 @@ def measure_e2e(opts: argparse.Namespace, workdir: Path) -> EndToEnd:
     """Daemon and router processes; the router's first byte to its covering ack."""
     daemon = Daemon(workdir)
     try:
-        port = daemon.start()
+        daemon.start()
+        port = daemon.feed_port
         assert daemon.proc is not None
         sampler = ProcessSampler(daemon.proc.pid)
         sampler.start()
@@ -775,11 +711,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return opts
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b rounded, or None when either is missing."""
-    return None if a is None or not b else round(a / b, 3)
-
-
 def report_e2e(e2e: EndToEnd) -> None:
     """The end-to-end lines."""
     readable = (
@@ -936,16 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_router(opts.router, opts.mutations, opts.keys, opts.seed)
         print(json.dumps(result), flush=True)
         return 0
-    workdir = Path(tempfile.mkdtemp(prefix="ingest-bench-"))
-    try:
-        summary = run(opts, workdir)
-    finally:
-        if opts.keep:
-            say(f"kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(summary), flush=True)
-    return 0
+    return in_workdir("ingest-bench-", opts.keep, lambda workdir: run(opts, workdir))
 
 
 if __name__ == "__main__":

@@ -44,14 +44,11 @@ import io
 import json
 import os
 import random
-import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -62,10 +59,16 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import httpx
-import psutil
 import pyarrow as pa
 import pyarrow.ipc
 import trio
+from common import (  # bench/common.py: run as `python bench/...`
+    HOST,
+    Daemon,
+    in_workdir,
+    ratio,
+    say,
+)
 
 from indexer import protocol as p
 from indexer.config import load_config
@@ -75,7 +78,6 @@ from indexer.router.workload import Workload, generate
 from indexer.scans import KeyRange, entry_runs
 from indexer.storage import IndexStore, StoredIndex
 
-HOST = "127.0.0.1"
 ARROW = "application/vnd.apache.arrow.stream"
 SCAN_INDEX = "by_city"
 COUNT_INDEX = "by_age"
@@ -89,18 +91,6 @@ WARMUP_S = 2.0
 ANY_EVERY = 4
 POLL_S = 0.06  # below the 100 ms interval, so no publish is missed; ~2 ms of daemon each
 DELETE_RATIO = 0.1
-HTTP_LINE = re.compile(r"HTTP API on http://[^\s:]+:(\d+)")
-FEED_LINE = re.compile(r"listening for router feeds on [^\s]+:(\d+);")
-
-
-def say(line: str) -> None:
-    """One human-readable line, flushed at once."""
-    print(line, flush=True)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b rounded, or None when either is missing."""
-    return None if a is None or not b else round(a / b, 3)
 
 
 def rate(rows_per_s: float | None) -> str:
@@ -121,89 +111,6 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 # --------------------------------------------------------------------------------------------
 # The daemon process
-
-
-class Daemon:
-    """`python -m indexer serve` on a temp config; both ports read from its log."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.data_dir = workdir / "data"
-        self.config_path = workdir / "indexer.toml"
-        self.log_path = workdir / "daemon.log"
-        self.feed_port = 0
-        self.http_port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(
-            "[server]\n"
-            f'data_dir = "{self.data_dir}"\n'
-            f'host = "{HOST}"\n'
-            "feed_port = 0\n"
-            "http_port = 0\n"
-            'log_level = "info"\n'
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.http_port}"
-
-    @property
-    def feed_address(self) -> str:
-        return f"{HOST}:{self.feed_port}"
-
-    def start(self, timeout: float = 60) -> None:
-        """Start it (again) and wait for this start's "listening" line."""
-        seen = self.log().count("listening for router feeds")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "indexer", "serve", "--config", str(self.config_path)],
-                stderr=log,
-                stdin=subprocess.DEVNULL,
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            text = self.log()
-            if text.count("listening for router feeds") > seen:
-                self.http_port = int(HTTP_LINE.findall(text)[-1])
-                self.feed_port = int(FEED_LINE.findall(text)[-1])
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited at start-up:\n{text[-4000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not listen within {timeout} s:\n{text[-4000:]}")
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text()
-        except FileNotFoundError:
-            return ""
-
-    def stop(self, timeout: float = 120) -> None:
-        """SIGINT; it must drain, persist, say "stopped cleanly" and exit 0."""
-        assert self.proc is not None
-        seen = self.log().count("stopped cleanly")
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            code = self.proc.wait(timeout=timeout)
-        finally:
-            self.kill()
-        if code != 0 or self.log().count("stopped cleanly") <= seen:
-            raise RuntimeError(f"the daemon exited with {code}:\n{self.log()[-4000:]}")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def cpu(self) -> tuple[float, float]:
-        """CPU seconds so far: the main (trio) thread, and every other thread together."""
-        assert self.proc is not None
-        process = psutil.Process(self.proc.pid)
-        total = process.cpu_times()
-        main = sum(t.user_time + t.system_time for t in process.threads() if t.id == process.pid)
-        return main, total.user + total.system - main
 
 
 def feed_initial(daemon: Daemon, mutations: int, keys: int, seed: int) -> float:
@@ -1018,16 +925,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_feeder(opts.feeder, opts.mutations, opts.keys, opts.seed, opts.feed_rate)
         print(json.dumps(result), flush=True)
         return 0
-    workdir = Path(tempfile.mkdtemp(prefix="scan-bench-"))
-    try:
-        summary = run(opts, workdir)
-    finally:
-        if opts.keep:
-            say(f"kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(summary), flush=True)
-    return 0
+    return in_workdir("scan-bench-", opts.keep, lambda workdir: run(opts, workdir))
 
 
 if __name__ == "__main__":
