@@ -110,8 +110,9 @@ class SourceOptions:
     pin: str | None = None
     lease_s: float = DEFAULT_LEASE_S
     timeout: float = DEFAULT_TIMEOUT_S
-    # Off by default: Spark 4.3 reuses one query's pushed filters for later queries on the same
-    # DataFrame (docs/spark.md), which would silently drop rows.
+    # Off by default: Spark 4.3 keeps the read plan made while pushing a query's filters on the
+    # DataFrame and serves it to every later scan of it (docs/spark.md), which would silently
+    # drop rows. Off, every plan reads everything and Spark filters after the read.
     pushdown: bool = False
 
     @classmethod
@@ -842,7 +843,7 @@ class IndexerReader(DataSourceReader):
         except IndexerSourceError as exc:
             if "no pin" in str(exc) and options.pin is None:
                 raise IndexerSourceError(
-                    f"{exc}: a DataFrame reads the snapshot pinned at its first action, for "
+                    f"{exc}: a DataFrame reads the snapshot pinned when Spark planned it, for "
                     f"lease_s={options.lease_s:g} s: load it again, or raise lease_s"
                 ) from None
             raise
