@@ -70,16 +70,15 @@ class IndexCatalog:
 
         await self._change(apply)
         log.info(
-            "index %s(%s) created: it indexes mutations streamed from now on",
+            "index %s(%s)%s created: it indexes mutations streamed from now on",
             definition.name,
             ", ".join(definition.keys),
+            "" if definition.where is None else f" WHERE {definition.where}",
         )
         return created[0]
 
     async def drop(self, name: str) -> None:
-        position = next(
-            (j for j, i in enumerate(self.indexes) if i.definition.name == name), None
-        )
+        position = next((j for j, i in enumerate(self.indexes) if i.definition.name == name), None)
         if position is None:
             raise CatalogError(404, f"no index named {name!r}")
         dropped: list[StoredIndex] = []

@@ -16,6 +16,7 @@ import psutil
 
 from config import default_config_text
 from indexer.protocol import IndexDefinition
+from indexer.where import WhereError, normalize_where
 from slab import parse_size
 
 INDEX_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
@@ -170,7 +171,7 @@ def _indexes(tables: Any) -> tuple[IndexDefinition, ...]:
             raise ConfigError(f"{where}: an index name is a letter then letters, digits or _")
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: must be a table with `keys`")
-        unknown = set(table) - {"keys"}
+        unknown = set(table) - {"keys", "where"}
         if unknown:
             raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key")
         keys = table.get("keys")
@@ -179,7 +180,15 @@ def _indexes(tables: Any) -> tuple[IndexDefinition, ...]:
         for path in keys:
             if not isinstance(path, str) or not FIELD_PATH.match(path):
                 raise ConfigError(f"{where}.keys: {path!r} is not a field path like address.zip")
-        out.append(IndexDefinition(name, tuple(keys)))
+        condition = table.get("where")
+        if condition is not None:
+            if not isinstance(condition, str):
+                raise ConfigError(f'{where}.where: must be a string like "age >= 18"')
+            try:
+                condition = normalize_where(condition)
+            except WhereError as exc:
+                raise ConfigError(f"{where}.where: {exc}") from None
+        out.append(IndexDefinition(name, tuple(keys), condition))
     return tuple(out)
 
 

@@ -56,6 +56,7 @@ from indexer.scans import (
 from indexer.snapshots import SnapshotStore, StabilitySnapshot
 from indexer.storage import IndexStore, StoredIndex
 from indexer.timekeeper import HighWaterTimestamp, Timekeeper
+from indexer.where import WhereError, normalize_where
 from slab import MemoryThrottle, SlabPool
 from workers.worker import Worker
 
@@ -219,12 +220,18 @@ class HttpApi:
         for path in keys:
             if not isinstance(path, str) or not FIELD_PATH.match(path):
                 raise ApiError(400, f"keys: {path!r} is not a field path like address.zip")
-        if body.get("where") is not None:
-            raise ApiError(400, "where: partial indexes are not supported yet")
+        where = body.get("where")
+        if where is not None:
+            if not isinstance(where, str):
+                raise ApiError(400, 'where: a condition as a string, like "age >= 18"')
+            try:
+                where = normalize_where(where)
+            except WhereError as exc:
+                raise ApiError(400, f"where: {exc}") from None
         unknown = set(body) - {"name", "keys", "where"}
         if unknown:
             raise ApiError(400, f"{sorted(unknown)[0]}: unknown member")
-        definition = IndexDefinition(name, tuple(keys))
+        definition = IndexDefinition(name, tuple(keys), where)
         stored = await self._catalog_call(self._catalog().create(definition))
         await _json(send, 201, self._index_entry(stored, 0))
 
@@ -448,6 +455,8 @@ class HttpApi:
             "state": index.state,
             "entries": entries,
         }
+        if index.definition.where is not None:
+            out["where"] = index.definition.where
         if index.state == "incremental":
             out["note"] = "created at run time: holds the mutations streamed since its creation"
         return out

@@ -86,10 +86,13 @@ class ProtocolError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class IndexDefinition:
-    """An index: a name and the JSON field paths whose values form its key."""
+    """An index: a name, the JSON field paths whose values form its key, and for a partial
+    index the condition (canonical text, indexer/where.py) a document must meet to be in it.
+    """
 
     name: str
     keys: tuple[str, ...]
+    where: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +240,13 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def _index_json(index: IndexDefinition) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": index.name, "keys": list(index.keys)}
+    if index.where is not None:
+        out["where"] = index.where
+    return out
+
+
 def encode(message: Message) -> bytes:
     """The frame of one message."""
     match message:
@@ -262,7 +272,7 @@ def encode(message: Message) -> bytes:
         case HandshakeReply(indexes, num_vbuckets, owned, restart, max_frame_bytes):
             body = {
                 "max_frame_bytes": max_frame_bytes,
-                "indexes": [{"name": i.name, "keys": list(i.keys)} for i in indexes],
+                "indexes": [_index_json(i) for i in indexes],
                 "num_vbuckets": num_vbuckets,
                 "owned": list(owned),
                 "restart": [[p.vbucket, p.seqno, p.vbuuid] for p in restart],
@@ -359,10 +369,19 @@ def _decode_handshake(payload: bytes) -> Handshake:
     return Handshake(router, num, _int_list(body.get("vbuckets"), "vbuckets"))
 
 
+def _decode_index(item: Any) -> IndexDefinition:
+    if not isinstance(item, dict):
+        raise TypeError("an index must be a JSON object")
+    where = item.get("where")
+    if where is not None and not isinstance(where, str):
+        raise TypeError(f"index {item.get('name')!r}: where must be a string")
+    return IndexDefinition(item["name"], tuple(item["keys"]), where)
+
+
 def _decode_handshake_reply(payload: bytes) -> HandshakeReply:
     body = _decode_json(payload)
     try:
-        indexes = tuple(IndexDefinition(i["name"], tuple(i["keys"])) for i in body["indexes"])
+        indexes = tuple(_decode_index(i) for i in body["indexes"])
         restart = tuple(VbucketPosition(int(v), int(s), int(u)) for v, s, u in body["restart"])
         return HandshakeReply(
             indexes,

@@ -85,7 +85,7 @@ class IndexStore:
         raw = self.db.get(_META_INDEXES)
         if raw is not None:
             for name, item in json.loads(raw).items():
-                definition = IndexDefinition(name, tuple(item["keys"]))
+                definition = IndexDefinition(name, tuple(item["keys"]), item.get("where"))
                 state = item.get("state", "active")
                 self._indexes[name] = StoredIndex(definition, int(item["id"]), state)
 
@@ -112,8 +112,8 @@ class IndexStore:
     def ensure_indexes(self, definitions: Sequence[IndexDefinition]) -> list[StoredIndex]:
         """Every stored index, after registering the given definitions that are new.
 
-        Indexes created at run time stay until dropped. An index whose key paths differ from
-        the stored ones is an error: its entries would mix two definitions.
+        Indexes created at run time stay until dropped. An index whose key paths or `where`
+        differ from the stored ones is an error: its entries would mix two definitions.
         """
         for definition in definitions:
             stored = self._indexes.get(definition.name)
@@ -123,6 +123,12 @@ class IndexStore:
                 raise StoreError(
                     f"index {definition.name!r} is stored with keys "
                     f"{list(stored.definition.keys)}, not {list(definition.keys)}; "
+                    "use a new index name, drop the index, or use a new data directory"
+                )
+            elif stored.definition.where != definition.where:
+                raise StoreError(
+                    f"index {definition.name!r} is stored with where "
+                    f"{stored.definition.where!r}, not {definition.where!r}; "
                     "use a new index name, drop the index, or use a new data directory"
                 )
         return self.all_indexes()
@@ -141,14 +147,13 @@ class IndexStore:
         return stored
 
     def _save_meta(self) -> None:
-        meta = {
-            s.definition.name: {
-                "id": s.index_id,
-                "keys": list(s.definition.keys),
-                "state": s.state,
-            }
-            for s in self._indexes.values()
-        }
+        meta: dict[str, dict[str, Any]] = {}
+        for s in self._indexes.values():
+            item: dict[str, Any] = {"id": s.index_id, "keys": list(s.definition.keys)}
+            if s.definition.where is not None:
+                item["where"] = s.definition.where
+            item["state"] = s.state
+            meta[s.definition.name] = item
         self.db.put(_META_INDEXES, json.dumps(meta).encode(), sync=True)
 
     def create_index(self, definition: IndexDefinition) -> StoredIndex:

@@ -1,9 +1,10 @@
 """A router feed: streams documents to an indexer and waits for them to be persisted.
 
 `StreamEncoder` is the sans-IO part: it turns documents into frames (vbucket by CRC32 of the id,
-seqnos per vbucket in input order, index keys evaluated here so the daemon never parses
-documents). `feed` moves those frames over TCP and reads acks. Because seqnos follow input order,
-replaying the same input after a restart skips exactly what the indexer reported as persisted.
+seqnos per vbucket in input order, index keys and partial-index conditions evaluated here so the
+daemon never parses documents). `feed` moves those frames over TCP and reads acks. Because
+seqnos follow input order, replaying the same input after a restart skips exactly what the
+indexer reported as persisted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import trio
 from indexer import protocol as p
 from indexer.keys import KeyEncodingError, index_key
 from indexer.router.documents import Document, vbucket_of
+from indexer.where import WhereError, matches, parse_where
 
 BATCH_RECORDS = 512
 SEND_BYTES = 256 * 1024
@@ -45,6 +47,13 @@ class StreamEncoder:
         self.num_vbuckets = reply.num_vbuckets
         self.paths = [index.keys for index in reply.indexes]
         self.nkeys = len(self.paths)
+        try:
+            self.wheres = [
+                None if index.where is None else parse_where(index.where) for index in reply.indexes
+            ]
+        except WhereError as exc:
+            raise FeedError(f"the indexer sent a bad where: {exc}") from None
+        self.partial = any(where is not None for where in self.wheres)
         self.restart = [0] * reply.num_vbuckets
         for position in reply.restart:
             self.restart[position.vbucket] = position.seqno
@@ -72,9 +81,16 @@ class StreamEncoder:
         try:
             if body is None:
                 keys: tuple[bytes, ...] = (b"",) * self.nkeys
+            elif self.partial:
+                # A document a partial index's condition is not TRUE for gets the empty key,
+                # which removes its entry there, like a missing leading field.
+                keys = tuple(
+                    index_key(body, paths) if matches(where, body) else b""
+                    for paths, where in zip(self.paths, self.wheres, strict=True)
+                )
             else:
                 keys = tuple(index_key(body, paths) for paths in self.paths)
-        except KeyEncodingError as exc:
+        except (KeyEncodingError, RecursionError) as exc:
             raise FeedError(f"document {document.docid!r}: {exc}") from None
         record = p.encode_record(p.Mutation(seqno, docid, keys, body is None))
         if len(record) > self.batch_bytes:

@@ -18,6 +18,7 @@ import pytest
 
 from indexer.keys import MISSING, collate, field_value
 from indexer.router.documents import Document
+from indexer.where import Expr, matches, parse_where
 
 pytestmark = pytest.mark.e2e
 
@@ -165,14 +166,18 @@ def write_jsonl(path: Path, documents: list[Document]) -> Path:
     return path
 
 
-def model(documents: list[Document], paths: list[str]) -> list[dict[str, Any]]:
-    """The index an uninterrupted run must give, computed without the key encoding."""
+def model(
+    documents: list[Document], paths: list[str], where: str | Expr | None = None
+) -> list[dict[str, Any]]:
+    """The index an uninterrupted run must give, computed without the key encoding; with
+    `where`, that of a partial index (only documents the condition is TRUE for)."""
+    condition = parse_where(where) if isinstance(where, str) else where
     latest: dict[str, dict[str, Any] | None] = {}
     for d in documents:
         latest[d.docid] = d.body
     rows = []
     for docid, body in latest.items():
-        if body is None:
+        if body is None or not matches(condition, body):
             continue
         values = [field_value(body, path) for path in paths]
         if values[0] is MISSING:
