@@ -54,6 +54,7 @@ from common import (  # bench/common.py: run as `python bench/...`
 
 from indexer import protocol as p
 from indexer.config import Config, parse_config
+from indexer.keys import entry_tail
 from indexer.router.feed import StreamEncoder, default_vbuuid
 from indexer.router.workload import Workload, generate
 from indexer.storage import IndexStore, StoredIndex
@@ -487,10 +488,10 @@ def per_mutation_ops(indexes: Sequence[StoredIndex], batches: Sequence[p.Mutatio
                 if o == n:
                     continue
                 if o:
-                    add((main_prefixes[j] + o + docid, None))
+                    add((main_prefixes[j] + o + entry_tail(docid), None))
                     deletes += 1
                 if n:
-                    add((main_prefixes[j] + n + docid, b""))
+                    add((main_prefixes[j] + n + entry_tail(docid), b""))
                     add((back_prefixes[j] + docid, n))
                     puts += 2
                 else:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from indexer import protocol as p
 from indexer.config import parse_config
+from indexer.keys import entry_tail
 from indexer.storage import IndexStore
 
 RECEIVE_BYTES = 256 * 1024
@@ -65,10 +66,10 @@ class NaiveIndexer:
                 continue
             main_prefix = self.main_prefixes[j]
             if old:
-                db.delete(main_prefix + old + docid)
+                db.delete(main_prefix + old + entry_tail(docid))
                 c.deletes += 1
             if new:
-                db.put(main_prefix + new + docid, b"")
+                db.put(main_prefix + new + entry_tail(docid), b"")
                 db.put(back_prefix + docid, new)
                 c.puts += 2
             else:

@@ -75,7 +75,7 @@ from indexer.config import load_config
 from indexer.keys import split_entry
 from indexer.router.feed import StreamEncoder, default_vbuuid
 from indexer.router.workload import Workload, generate
-from indexer.scans import KeyRange, entry_runs
+from indexer.scans import KeyRange, entry_batches
 from indexer.storage import IndexStore, StoredIndex
 
 ARROW = "application/vnd.apache.arrow.stream"
@@ -375,7 +375,7 @@ def stream_in_process(store: IndexStore, index: StoredIndex, arrow: bool) -> int
         size += len(message.get("body", b""))
 
     async def run() -> None:
-        rows = entry_runs(store, index, None, KeyRange())
+        rows = entry_batches(store, index, None, KeyRange())
         if arrow:
             await api._stream_arrow(index, snap, rows, send, {})
         else:

@@ -41,12 +41,12 @@ from indexer.config import FIELD_PATH, INDEX_NAME, MAX_KEYS
 from indexer.protocol import IndexDefinition
 from indexer.reader import StreamRegistry
 from indexer.scans import (
+    EntryBatch,
     KeyRange,
     Row,
-    Runs,
     ScanRequestError,
     count_entries,
-    entry_runs,
+    entry_batches,
     json_encode,
     json_text,
     key_range,
@@ -384,7 +384,7 @@ class HttpApi:
                     )
                 await _json(send, 200, {"count": n, "snapshot": snap.number}, meta)
                 return
-            chunks = entry_runs(
+            chunks = entry_batches(
                 self.view.store, index, snap.store_snapshot, bounds, limit, SCAN_CHUNK
             )
             self.active_scans += 1
@@ -399,7 +399,7 @@ class HttpApi:
             snap.release()
 
     async def _stream_ndjson(
-        self, chunks: Iterator[Chunk], send: Send, meta: dict[str, str]
+        self, chunks: Iterator[EntryBatch], send: Send, meta: dict[str, str]
     ) -> None:
         await _start(send, 200, NDJSON, meta)
         while (body := await trio.to_thread.run_sync(_ndjson_chunk, chunks)) is not None:
@@ -410,7 +410,7 @@ class HttpApi:
         self,
         index: StoredIndex,
         snap: StabilitySnapshot,
-        chunks: Iterator[Chunk],
+        chunks: Iterator[EntryBatch],
         send: Send,
         meta: dict[str, str],
     ) -> None:
@@ -570,38 +570,35 @@ class _Chunks(io.RawIOBase):
         return out
 
 
-Chunk = tuple[Runs, list[str]]
-
-
-def _ndjson_chunk(chunks: Iterator[Chunk]) -> bytes | None:
-    """The next chunk of rows as NDJSON lines (the JSON of a key is built once per run)."""
-    taken = next(chunks, None)
-    if taken is None:
+def _ndjson_chunk(batches: Iterator[EntryBatch]) -> bytes | None:
+    """The next batch of rows as NDJSON lines (the JSON of a key is built once per batch)."""
+    batch = next(batches, None)
+    if batch is None:
         return None
-    runs, docids = taken
-    lines = []
-    i = 0
-    for values, n in runs:
+    heads = []
+    tails = []
+    for values in batch.keys:
         row = Row(values, "").as_json()
-        head = '{"key": ' + json_encode(row["key"]) + ', "id": '
-        tail = ', "missing": ' + json_encode(row["missing"]) + "}\n" if "missing" in row else "}\n"
-        lines += [head + json_encode(docid) + tail for docid in docids[i : i + n]]
-        i += n
+        heads.append('{"key": ' + json_encode(row["key"]) + ', "id": ')
+        tails.append(
+            ', "missing": ' + json_encode(row["missing"]) + "}\n" if "missing" in row else "}\n"
+        )
+    lines = [
+        heads[c] + json_encode(docid) + tails[c]
+        for c, docid in zip(batch.codes.to_pylist(), batch.docids.to_pylist(), strict=True)
+    ]
     return "".join(lines).encode()
 
 
-def _arrow_chunk(chunks: Iterator[Chunk], writer: Any, schema: pa.Schema) -> bool:
-    """Write the next chunk of rows as one record batch; False at the end."""
-    taken = next(chunks, None)
-    if taken is None:
+def _arrow_chunk(batches: Iterator[EntryBatch], writer: Any, schema: pa.Schema) -> bool:
+    """Write the next batch of rows as one record batch; False at the end."""
+    batch = next(batches, None)
+    if batch is None:
         return False
-    runs, docids = taken
-    columns = [pa.array(docids, pa.string())]
+    columns = [batch.docids]
     for j in range(len(schema) - 1):
-        texts: list[str | None] = []
-        for values, n in runs:
-            texts += [json_text(values[j])] * n
-        columns.append(pa.array(texts, pa.string()))
+        texts = pa.array([json_text(values[j]) for values in batch.keys], pa.string())
+        columns.append(texts.take(batch.codes))
     writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
     return True
 

@@ -24,6 +24,7 @@ __all__ = [
     "decode_value",
     "encode_key",
     "encode_value",
+    "entry_tail",
     "field_value",
     "index_key",
     "split_entry",
@@ -398,10 +399,32 @@ def decode_key(data: bytes, count: int, pos: int = 0) -> tuple[list[JSONValue], 
     return values, pos
 
 
+_DOCID_LENGTH: Final = struct.Struct(">H")
+MAX_DOCID_BYTES: Final = 0xFFFF
+
+
+def entry_tail(docid: bytes) -> bytes:
+    """What follows the key in a main-index entry: the docid, then its length (u16, big-endian).
+
+    The length lets a scan find where the key ends from the entry's last two bytes, without
+    decoding the key (as Couchbase's secondary index entries do). Big-endian, its first byte is
+    0 for docids under 256 bytes, below every byte of a docid without NUL: entries of one key
+    still sort by docid.
+    """
+    return docid + _DOCID_LENGTH.pack(len(docid))
+
+
 def split_entry(data: bytes, count: int) -> tuple[list[JSONValue], bytes]:
-    """Split a main-index entry (a `count`-component key, then a docid) into values and docid."""
+    """Split a main-index entry (`count` key values, then `entry_tail`) into values and docid."""
     values, pos = decode_key(data, count)
-    return values, bytes(data[pos:])
+    if len(data) < pos + 2:
+        raise _truncated()
+    (length,) = _DOCID_LENGTH.unpack_from(data, len(data) - 2)
+    if pos + length + 2 != len(data):
+        raise KeyEncodingError(
+            f"entry holds {len(data) - pos - 2} docid bytes after its key, its tail says {length}"
+        )
+    return values, bytes(data[pos : pos + length])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from indexer.keys import MISSING, KeyEncodingError, decode_key, encode_key, split_entry
 from indexer.storage import IndexStore, StoredIndex
 
@@ -133,9 +137,7 @@ def _entries(
     return entries if limit is None else islice(entries, limit)
 
 
-def splits(
-    store: IndexStore, index: StoredIndex, snapshot: Any, parts: int
-) -> list[KeyRange]:
+def splits(store: IndexStore, index: StoredIndex, snapshot: Any, parts: int) -> list[KeyRange]:
     """`parts` ranges covering the index with about as many entries each.
 
     Two walks over the keys, the first to count them, holding only the cut points in memory.
@@ -175,48 +177,88 @@ def json_text(value: Any) -> str | None:
     return None if value is MISSING else json_encode(value)
 
 
-Runs = list[tuple[list[Any], int]]
+@dataclass(frozen=True)
+class EntryBatch:
+    """A run of consecutive index rows: docids, and for each row the position of its key.
+
+    Row i has docid `docids[i]` and key `keys[codes[i]]`; `keys` holds each distinct key of the
+    batch once, decoded, so JSON texts and columns are built per key rather than per row.
+    """
+
+    docids: pa.StringArray
+    codes: pa.Int32Array
+    keys: list[list[Any]]
+
+    def __len__(self) -> int:
+        return len(self.docids)
 
 
-def entry_runs(
+def entry_batches(
     store: IndexStore,
     index: StoredIndex,
     snapshot: Any,
     bounds: KeyRange,
     limit: int | None = None,
     chunk: int = 8192,
-) -> Iterator[tuple[Runs, list[str]]]:
-    """The rows of `iterate` in chunks of up to `chunk`, as (runs, docids).
+) -> Iterator[EntryBatch]:
+    """The rows of `iterate` in batches of up to `chunk` (blocking: run it in a thread).
 
-    `runs` are (key values, row count) of consecutive rows with the same key, so each distinct
-    key is decoded once per run rather than once per row. An entry that starts with the bytes of
-    the previous key has that key: every encoded component is self-delimiting.
+    The entries of a batch are split with array operations, not row by row: every entry ends
+    with its docid and the docid's length (`keys.entry_tail`), so the key's bytes are found
+    without decoding them, and only distinct keys are decoded.
     """
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
     entries = _entries(store, index, snapshot, bounds, limit)
-    previous = AFTER_PREFIX  # never the first byte of a key
-    values: list[Any] = []
-    while True:
-        runs: Runs = []
-        docids: list[str] = []
-        add = docids.append
-        n = 0
-        for entry in islice(entries, chunk):
-            if entry.startswith(previous, cut):
-                add(entry[cut + len(previous) :].decode("utf-8", errors="replace"))
-                n += 1
-                continue
-            if n:
-                runs.append((values, n))
-            values, end = decode_key(entry, count, cut)
-            previous = entry[cut:end]
-            add(entry[end:].decode("utf-8", errors="replace"))
-            n = 1
-        if not docids:
-            return
-        runs.append((values, n))
-        yield runs, docids
+    while entries_of_batch := list(islice(entries, chunk)):
+        yield _split_batch(entries_of_batch, cut, count)
+
+
+def _split_batch(entries: list[bytes], cut: int, count: int) -> EntryBatch:
+    n = len(entries)
+    whole = pa.array(entries, pa.binary())
+    _, offsets_buffer, data_buffer = whole.buffers()
+    offsets = np.frombuffer(offsets_buffer, np.int32, n + 1)
+    data = np.frombuffer(data_buffer, np.uint8, int(offsets[-1]))
+    ends = offsets[1:]
+    id_lengths = (data[ends - 2].astype(np.int32) << 8) | data[ends - 1]
+    id_starts = ends - 2 - id_lengths
+    key_starts = offsets[:-1] + cut
+    if n and (id_starts < key_starts).any():
+        raise KeyEncodingError("a main-index entry is shorter than its docid length says")
+    docids = _gather(pa.string(), id_starts, id_lengths, data)
+    try:
+        docids.validate(full=True)
+    except pa.ArrowInvalid:  # docids are bytes on the wire; show invalid UTF-8 as U+FFFD
+        docids = pa.array(
+            [
+                e[s : s + m].decode("utf-8", errors="replace")
+                for e, s, m in _slices(entries, id_starts - offsets[:-1], id_lengths)
+            ],
+            pa.string(),
+        )
+    encoded = pc.dictionary_encode(_gather(pa.binary(), key_starts, id_starts - key_starts, data))
+    keys = []
+    for key in encoded.dictionary.to_pylist():
+        values, end = decode_key(key, count)
+        if end != len(key):
+            raise KeyEncodingError(f"{len(key) - end} stray bytes after a key of {count} values")
+        keys.append(values)
+    return EntryBatch(docids, encoded.indices, keys)
+
+
+def _gather(kind: pa.DataType, starts: Any, lengths: Any, data: Any) -> pa.Array:
+    """An Arrow array of `kind` whose value i is data[starts[i] : starts[i] + lengths[i]]."""
+    offsets = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    positions = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int32)
+    return pa.Array.from_buffers(
+        kind, len(lengths), [None, pa.py_buffer(offsets), pa.py_buffer(data[positions])]
+    )
+
+
+def _slices(entries: list[bytes], starts: Any, lengths: Any) -> Iterator[tuple[bytes, int, int]]:
+    return zip(entries, starts.tolist(), lengths.tolist(), strict=True)
 
 
 def column_names(paths: Sequence[str]) -> list[str]:

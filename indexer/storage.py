@@ -2,9 +2,13 @@
 
 One LevelDB database holds every index, so one WriteBatch applies a flush to all of them at once:
 
-    b"i" + index id (u16) + encoded key + docid -> b""             main index, in key order
-    b"r" + index id (u16) + docid               -> encoded key     back index
-    b"\\x00meta:indexes"                         -> JSON             index names, ids and keys
+    b"i" + id (u16) + encoded key + docid + len(docid) (u16) -> b""   main index, in key order
+    b"r" + id (u16) + docid                                  -> key   back index
+    b"\\x00meta:indexes"                                      -> JSON  names, ids, keys, wheres
+    b"\\x00meta:format"                                       -> "2"   layout of main entries
+
+The docid's length at the end of a main entry lets a scan split a batch of entries into keys and
+docids with array operations (see `scans.entry_batches`).
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ from typing import Any
 
 import plyvel
 
+from indexer.keys import entry_tail
 from indexer.protocol import IndexDefinition
 
 STORE_DIR = "store"
 _META_INDEXES = b"\x00meta:indexes"
 _META_SYNC = b"\x00meta:sync"
+_META_FORMAT = b"\x00meta:format"
+# 2: main entries end with the docid's length (keys.entry_tail); 1 (no marker): they do not.
+ENTRY_FORMAT = 2
 _ID = struct.Struct(">H")
 
 
@@ -88,6 +96,27 @@ class IndexStore:
                 definition = IndexDefinition(name, tuple(item["keys"]), item.get("where"))
                 state = item.get("state", "active")
                 self._indexes[name] = StoredIndex(definition, int(item["id"]), state)
+        self._upgrade_entries()
+
+    def _upgrade_entries(self) -> None:
+        """Bring main entries of an older store to `ENTRY_FORMAT`, rebuilt from the back index."""
+        found = self.db.get(_META_FORMAT)
+        if found is not None:
+            if int(found) > ENTRY_FORMAT:
+                raise StoreError(
+                    f"the store in {self.path} has entry format {int(found)}; "
+                    f"this version reads format {ENTRY_FORMAT}: upgrade the indexer"
+                )
+            if int(found) == ENTRY_FORMAT:
+                return
+        for index in self._indexes.values():
+            stale = list(self.db.iterator(prefix=index.main_prefix, include_value=False))
+            fresh = [
+                (index.main_prefix + key + entry_tail(docid), b"")
+                for docid, key in self.back_entries(index)
+            ]
+            self.write(fresh, stale)
+        self.db.put(_META_FORMAT, str(ENTRY_FORMAT).encode(), sync=True)
 
     def close(self) -> None:
         self.db.close()
@@ -219,7 +248,7 @@ class IndexStore:
         return sum(1 for _ in self.main_entries(index))
 
     def main_entries(self, index: StoredIndex, snapshot: Any = None) -> Iterator[bytes]:
-        """Main-index entries (encoded key + docid, prefix stripped) in index order."""
+        """Main-index entries (encoded key + `entry_tail`, prefix stripped) in index order."""
         prefix = index.main_prefix
         cut = len(prefix)
         source = snapshot if snapshot is not None else self.db

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+from indexer.keys import entry_tail
 from indexer.protocol import OP_DELETE, queued_layout
 from indexer.storage import IndexStore, StoredIndex
 
@@ -147,17 +148,18 @@ class IndexWriter:
             old = entries.get(docid) or looked_up.get(docid) or empty
             if old == new:
                 continue
+            tail = entry_tail(docid)
             for j in indexes:
                 o = old[j]
                 n = new[j]
                 if o == n:
                     continue
                 if o:
-                    delete(main_prefixes[j] + o + docid)
+                    delete(main_prefixes[j] + o + tail)
                     deletes += 1
                     deltas[j] -= 1
                 if n:
-                    put(main_prefixes[j] + n + docid, b"")
+                    put(main_prefixes[j] + n + tail, b"")
                     put(back_prefixes[j] + docid, n)
                     puts += 2
                     deltas[j] += 1

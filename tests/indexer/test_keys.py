@@ -24,6 +24,7 @@ from indexer.keys import (
     decode_value,
     encode_key,
     encode_value,
+    entry_tail,
     field_value,
     index_key,
     split_entry,
@@ -265,9 +266,27 @@ def test_decode_key_and_split_entry(key: list[Any], docid: bytes) -> None:
     values, end = decode_key(data, len(key))
     assert end == len(data)
     assert_identical(values, normalised(key))
-    values, rest = split_entry(data + docid, len(key))
+    values, rest = split_entry(data + entry_tail(docid), len(key))
     assert_identical(values, normalised(key))
     assert rest == docid
+
+
+@FAST
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.binary(max_size=300).filter(lambda d: b"\0" not in d)))
+)
+def test_entries_of_one_key_sort_by_docid(rows: list[tuple[int, bytes]]) -> None:
+    """The docid length after the docid keeps (key, docid) order for docids without NUL."""
+    entries = sorted(encode_key([k]) + entry_tail(d) for k, d in rows)
+    assert [split_entry(e, 1) for e in entries] == sorted(([k], d) for k, d in rows)
+
+
+def test_split_entry_checks_the_tail() -> None:
+    entry = encode_key(["a"]) + entry_tail(b"doc")
+    with pytest.raises(KeyEncodingError, match="docid"):
+        split_entry(entry[:-2] + b"\x00\x05", 1)
+    with pytest.raises(KeyEncodingError):
+        split_entry(encode_key(["a"]) + b"\x00", 1)
 
 
 @FAST

@@ -7,8 +7,15 @@ from pathlib import Path
 import pytest
 
 from indexer import protocol as p
-from indexer.keys import encode_key
-from indexer.scans import KeyRange, ScanRequestError, iterate, key_range, splits
+from indexer.keys import MISSING, KeyEncodingError, encode_key, split_entry
+from indexer.scans import (
+    KeyRange,
+    ScanRequestError,
+    entry_batches,
+    iterate,
+    key_range,
+    splits,
+)
 from indexer.storage import IndexStore
 from workers.flush import BackIndexCache, IndexWriter
 
@@ -55,3 +62,73 @@ def test_key_range_on_prefixes(tmp_path: Path) -> None:
             key_range(2, eq=[1, 2, 3], has_eq=True)
         with pytest.raises(ScanRequestError):
             key_range(2, low=1, inclusion="sometimes", has_low=True)
+
+
+def mixed_store(store: IndexStore, docids: list[bytes]) -> None:
+    """Keys of every kind (MISSING, arrays, objects, long strings) over the given docids."""
+    indexes = store.ensure_indexes([p.IndexDefinition("mixed", ("a", "b"))])
+    writer = IndexWriter(store, indexes, BackIndexCache(10_000, 1))
+    values: list[object] = [None, True, 1.5, -3, "x" * 40, "é", [1, ["z"]], {"k": "v"}]
+    records = []
+    for i, docid in enumerate(docids):
+        leading = values[i % len(values)]
+        second = MISSING if i % 3 == 0 else values[(i // 2) % len(values)]
+        key = encode_key([leading, second])
+        records.append(p.encode_record(p.Mutation(i + 1, docid, (key,)))[4:])
+    writer.apply(records)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 8192])
+def test_entry_batches_equal_iterate(tmp_path: Path, chunk: int) -> None:
+    """The array split of a batch gives the rows the per-entry decoding gives, in order."""
+    docids = [b"d%d" % i for i in range(300)] + [b"", b"x" * 250, "ü".encode(), b"\xff\xfe"]
+    with IndexStore(tmp_path) as store:
+        mixed_store(store, docids)
+        index = store.index("mixed")
+        expected = [(r.key, r.docid) for r in iterate(store, index, None, KeyRange())]
+        got = []
+        for batch in entry_batches(store, index, None, KeyRange(), chunk=chunk):
+            assert len(batch) <= chunk
+            for code, docid in zip(batch.codes.to_pylist(), batch.docids.to_pylist(), strict=True):
+                got.append((batch.keys[code], docid))
+        assert got == expected
+        assert len(got) == len(docids)
+        assert "\ufffd\ufffd" in {d for _, d in got}  # invalid UTF-8 shown as replacement
+
+
+def test_entry_batches_honour_range_and_limit(tmp_path: Path) -> None:
+    with IndexStore(tmp_path) as store:
+        fill(store, 500)
+        index = store.index("by_n")
+        bounds = key_range(2, low=10, high=12, has_low=True, has_high=True)
+        rows = [r.docid for r in iterate(store, index, None, bounds, limit=25)]
+        batches = list(entry_batches(store, index, None, bounds, limit=25, chunk=10))
+        assert [len(b) for b in batches] == [10, 10, 5]
+        assert [d for b in batches for d in b.docids.to_pylist()] == rows
+
+
+def test_entry_batches_reject_a_corrupt_tail(tmp_path: Path) -> None:
+    with IndexStore(tmp_path) as store:
+        fill(store, 3)
+        index = store.index("by_n")
+        store.db.put(index.main_prefix + encode_key([1, 1]) + b"\x00\xff", b"")
+        with pytest.raises(KeyEncodingError):
+            list(entry_batches(store, index, None, KeyRange()))
+
+
+def test_an_older_store_gets_docid_lengths_on_open(tmp_path: Path) -> None:
+    """Main entries written without the docid length are rebuilt from the back index."""
+    with IndexStore(tmp_path) as store:
+        fill(store, 100)
+        index = store.index("by_n")
+        expected = [(r.key, r.docid) for r in iterate(store, index, None, KeyRange())]
+        old = [
+            (e, index.main_prefix + e[: -2 - len(split_entry(e, 2)[1])] + split_entry(e, 2)[1])
+            for e in store.main_entries(index)
+        ]
+        store.write([(o, b"") for _, o in old], [index.main_prefix + e for e, _ in old])
+        store.db.delete(b"\x00meta:format")
+    with IndexStore(tmp_path) as store:
+        index = store.index("by_n")
+        assert [(r.key, r.docid) for r in iterate(store, index, None, KeyRange())] == expected
+        assert store.count_main(index) == 100
