@@ -247,11 +247,10 @@ def stats(url: str | None, config_file: Path | None) -> None:
 @URL_OPTION
 @CONFIG_OPTION
 def list_indexes(url: str | None, config_file: Path | None) -> None:
-    """List the indexes with their keys, state and entry counts."""
+    """List the indexes with their keys, state, entry counts and conditions."""
     for index in _get_json(_http_url(url, config_file), "/indexes")["indexes"]:
-        click.echo(
-            f"{index['name']}\t{','.join(index['keys'])}\t{index['state']}\t{index['entries']}"
-        )
+        line = f"{index['name']}\t{','.join(index['keys'])}\t{index['state']}\t{index['entries']}"
+        click.echo(line + (f"\tWHERE {index['where']}" if index.get("where") else ""))
 
 
 @main.command()
@@ -326,14 +325,19 @@ def scan(
 @main.command("create-index")
 @click.argument("name")
 @click.option("--keys", required=True, help="Field paths of the key, comma-separated.")
+@click.option("--where", help='A condition for a partial index, like "age >= 18".')
 @URL_OPTION
 @CONFIG_OPTION
-def create_index(name: str, keys: str, url: str | None, config_file: Path | None) -> None:
+def create_index(
+    name: str, keys: str, where: str | None, url: str | None, config_file: Path | None
+) -> None:
     """Create index NAME on a running daemon; it indexes what is streamed from now on."""
     import httpx
 
     base = _http_url(url, config_file)
-    body = {"name": name, "keys": [k.strip() for k in keys.split(",") if k.strip()]}
+    body: dict[str, Any] = {"name": name, "keys": [k.strip() for k in keys.split(",") if k.strip()]}
+    if where is not None:
+        body["where"] = where
     try:
         response = httpx.post(f"{base}/indexes", json=body, timeout=120)
     except httpx.HTTPError as exc:
@@ -341,7 +345,10 @@ def create_index(name: str, keys: str, url: str | None, config_file: Path | None
     if response.status_code != 201:
         _http_error(response)
     created = response.json()
-    click.echo(f"created {created['name']}({', '.join(created['keys'])}): {created['state']}")
+    condition = f" WHERE {created['where']}" if created.get("where") else ""
+    click.echo(
+        f"created {created['name']}({', '.join(created['keys'])}){condition}: {created['state']}"
+    )
 
 
 @main.command("drop-index")

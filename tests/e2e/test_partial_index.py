@@ -4,6 +4,7 @@ updates move documents in and out of the condition, the index compared with a mo
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 
 from indexer.router import Workload, generate
 from indexer.router.documents import Document
-from tests.e2e.conftest import Daemon, dump, model, run_feed, write_jsonl
+from tests.e2e.conftest import Daemon, dump, indexer_command, model, run_feed, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -118,13 +119,26 @@ def test_partial_index_follows_documents_in_and_out(daemon_factory: Any, tmp_pat
         refused = httpx.post(daemon.url + "/indexes", json=body, timeout=30)
         assert refused.status_code == 400, refused.text
         assert message in refused.json()["error"]
-    created = httpx.post(
-        daemon.url + "/indexes",
-        json={"name": "rich", "keys": ["score"], "where": "score>50 AND tags is not missing"},
-        timeout=120,
+    created = subprocess.run(
+        indexer_command(
+            "create-index",
+            "rich",
+            "--keys",
+            "score",
+            "--where",
+            "score>50 AND tags is not missing",
+            "--url",
+            daemon.url,
+        ),
+        capture_output=True,
+        text=True,
     )
-    assert created.status_code == 201, created.text
-    assert created.json()["where"] == "score > 50 AND tags IS NOT MISSING"
+    assert created.returncode == 0, created.stderr
+    assert "WHERE score > 50 AND tags IS NOT MISSING" in created.stdout
+    shown = subprocess.run(
+        indexer_command("list-indexes", "--url", daemon.url), capture_output=True, text=True
+    )
+    assert "rich\tscore\tincremental\t0\tWHERE score > 50 AND tags IS NOT MISSING" in shown.stdout
     listed = {i["name"]: i for i in httpx.get(daemon.url + "/indexes").json()["indexes"]}
     assert listed["rich"]["where"] == "score > 50 AND tags IS NOT MISSING"
     assert listed["rich"]["state"] == "incremental"
