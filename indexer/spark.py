@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import math
 import os
 import random
@@ -87,6 +88,10 @@ JSON_TEXT = "indexer.json_text"  # field metadata marking a column of JSON text 
 OFFLINE_CHUNK_ROWS = 100_000  # rows read per hold of an offline store's lock
 BATCH_ROWS = 16_384  # rows per Arrow record batch built offline
 PLANNING_LOCK_WAIT_S = 3.0  # how long planning waits for an offline store held by another reader
+# The JVM class whose private field `readInfo` tells that Spark keeps the read plan per scan
+PYTHON_SCAN_BUILDER = "org.apache.spark.sql.execution.datasources.v2.python.PythonScanBuilder"
+
+log = logging.getLogger(__name__)
 
 
 class IndexerSourceError(Exception):
@@ -110,14 +115,16 @@ class SourceOptions:
     pin: str | None = None
     lease_s: float = DEFAULT_LEASE_S
     timeout: float = DEFAULT_TIMEOUT_S
-    # Off by default: Spark 4.3 keeps the read plan made while pushing a query's filters on the
-    # DataFrame and serves it to every later scan of it (docs/spark.md), which would silently
-    # drop rows. Off, every plan reads everything and Spark filters after the read.
+    # Off unless `register` found a Spark that keeps the read plan per scan: Spark 4.3 keeps the
+    # plan made while pushing a query's filters on the DataFrame and serves it to every later
+    # scan of it (docs/spark.md), which would silently drop rows. Off, every plan reads
+    # everything and Spark filters after the read.
     pushdown: bool = False
 
     @classmethod
-    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
-        """Options as given to `spark.read.option(...)` (keys are case-insensitive)."""
+    def parse(cls, options: Mapping[str, str], default_pushdown: bool = False) -> SourceOptions:
+        """Options as given to `spark.read.option(...)` (keys are case-insensitive);
+        `default_pushdown` applies when the `pushdown` option is not given."""
         opts = {k.lower(): v for k, v in options.items()}
         unknown = sorted(set(opts) - set(OPTIONS.split()))
         if unknown:
@@ -145,7 +152,7 @@ class SourceOptions:
             )
         if pin is not None and at_plus is not None:
             raise IndexerSourceError("give pin or at_plus, not both")
-        pushdown = opts.get("pushdown", "false").lower()
+        pushdown = opts.get("pushdown", str(default_pushdown)).lower()
         if pushdown not in ("true", "false"):
             raise IndexerSourceError(f'pushdown: "true" or "false", not {pushdown!r}')
         return cls(
@@ -680,6 +687,8 @@ class IndexerDataSource(DataSource):
     at_plus, pin, lease_s, timeout (docs/spark.md)."""
 
     default_partitions: int | None = None  # set by `register` to spark's default parallelism
+    default_pushdown: bool = False  # set by `register`: on when the Spark keeps plans per scan
+    default_pushdown_reason: str = "the source registered without register(): off"
 
     @classmethod
     def name(cls) -> str:
@@ -690,7 +699,7 @@ class IndexerDataSource(DataSource):
         return default_schema(_keys(options))
 
     def reader(self, schema: StructType) -> IndexerReader:
-        options = SourceOptions.parse(self.options)
+        options = SourceOptions.parse(self.options, self.default_pushdown)
         parts = options.partitions or self.default_partitions or DEFAULT_PARTITIONS
         return IndexerReader(options, schema, _keys(options), parts)
 
@@ -993,11 +1002,48 @@ def _has_conf(builder_or_conf: Any, key: str) -> bool:
     return key in getattr(builder_or_conf, "_options", {})  # a Builder keeps them there
 
 
+def read_plan_per_scan(spark: SparkSession) -> bool:
+    """True when the running Spark keeps the read plan made while pushing filters per scan
+    (`PythonScanBuilder` has a `readInfo` field, SPARK-58551); False for Spark 4.3.0, which keeps
+    it on the DataFrame's data source object (docs/spark.md). Raises when the JVM cannot be
+    asked (Spark Connect has no gateway, an unknown Spark may lack the class)."""
+    jvm: Any = spark._jvm
+    fields = jvm.java.lang.Class.forName(PYTHON_SCAN_BUILDER).getDeclaredFields()
+    return any(f.getName() == "readInfo" for f in fields)
+
+
+def pushdown_default(
+    spark: SparkSession, check: Callable[[SparkSession], bool] | None = None
+) -> tuple[bool, str]:
+    """The `pushdown` default for this session and why: on only when `check` (by default
+    `read_plan_per_scan`) finds that Spark keeps the read plan per scan; off when Spark shares
+    it or the check cannot run."""
+    try:
+        version = str(spark.version)
+    except Exception:  # asks the JVM on a classic session
+        version = "?"
+    try:
+        per_scan = bool((check or read_plan_per_scan)(spark))
+    except Exception as exc:  # no JVM gateway (Spark Connect), class renamed, ...
+        reason = f"could not tell how Spark {version} keeps read plans ({exc!r:.200})"
+        return False, f"{reason}: off"
+    if per_scan:
+        return True, f"Spark {version} keeps the read plan per scan: on"
+    return False, f"Spark {version} shares one read plan among a DataFrame's scans: off"
+
+
 def register(spark: SparkSession) -> type[IndexerDataSource]:
-    """Register the source as format "indexer", defaulting partitions to the parallelism."""
+    """Register the source as format "indexer", defaulting partitions to the parallelism and
+    `pushdown` to what the running Spark allows (`pushdown_default`)."""
     parallelism = spark.sparkContext.defaultParallelism
-    # A subclass made here is pickled by value, default included, to the planning workers.
-    defaults = {"default_partitions": parallelism}
+    pushdown, reason = pushdown_default(spark)
+    log.info("indexer source: pushdown default: %s", reason)
+    # A subclass made here is pickled by value, defaults included, to the planning workers.
+    defaults = {
+        "default_partitions": parallelism,
+        "default_pushdown": pushdown,
+        "default_pushdown_reason": reason,
+    }
     source = type("RegisteredIndexerDataSource", (IndexerDataSource,), defaults)
     spark.dataSource.register(source)
     return source

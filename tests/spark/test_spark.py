@@ -40,6 +40,7 @@ from indexer.spark import (
     IndexerDataSource,
     IndexerPartition,
     IndexerSourceError,
+    SourceOptions,
     accepts,
     apply_filters,
     convert,
@@ -48,6 +49,9 @@ from indexer.spark import (
     offline_snapshot,
     pin_snapshot,
     pinned,
+    pushdown_default,
+    read_plan_per_scan,
+    register,
     release,
     session,
 )
@@ -306,23 +310,14 @@ def age_counts(node: Node) -> dict[str | None, int]:
     }
 
 
-def read_plan_per_scan(spark: SparkSession) -> bool:
-    """True when Spark keeps the read plan made while pushing filters per scan. Spark 4.3.0
-    keeps it on the DataFrame's data source object (docs/spark.md): False."""
-    jvm: Any = spark._jvm
-    builder = "org.apache.spark.sql.execution.datasources.v2.python.PythonScanBuilder"
-    fields = jvm.java.lang.Class.forName(builder).getDeclaredFields()
-    return any(f.getName() == "readInfo" for f in fields)
-
-
 def test_by_default_every_query_on_a_dataframe_gets_all_its_rows_in_any_order(
     spark: SparkSession, node: Node
 ) -> None:
     url, typed = node.daemon.url, "age DOUBLE, id STRING"
     want = age_counts(node)
     assert 0 < want["age < 30"] < want["age IS NOT NULL"] < want[None]
-    df = read(spark, typed, url=url, index="by_age")  # pushdown off: the default
-    assert filtered_by_spark(df.filter("age < 30"))
+    df = read(spark, typed, url=url, index="by_age")  # pushdown: off on Spark 4.3
+    assert filtered_by_spark(df.filter("age < 30")) != read_plan_per_scan(spark)
     got = counts_in_every_order(lambda: read(spark, typed, url=url, index="by_age"))
     assert got == {
         **{name: [want[q] for q in queries] for name, queries in ORDERS.items()},
@@ -356,6 +351,33 @@ def test_pushdown_on_spark_4_3_serves_the_last_pushed_plan_to_every_scan_of_a_da
             "filtered union whole": [young + young],
             "planned filter, whole": [young],
         }
+
+
+def test_the_pushdown_default_follows_the_running_spark_and_the_option_wins(
+    spark: SparkSession, node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`register` asks the JVM once: off on Spark 4.3.0. Forced to find a Spark that keeps the
+    plan per scan, it turns pushdown on, and `.option("pushdown", ...)` still decides."""
+    url, typed = node.daemon.url, "age DOUBLE, id STRING"
+    source = register(spark)
+    assert source.default_pushdown == read_plan_per_scan(spark)
+    assert source.default_pushdown_reason.endswith(": on" if source.default_pushdown else ": off")
+    if spark.version == "4.3.0":
+        assert not source.default_pushdown
+        assert "shares one read plan" in source.default_pushdown_reason
+    try:
+        monkeypatch.setattr("indexer.spark.read_plan_per_scan", lambda _: True)
+        assert register(spark).default_pushdown
+        assert not filtered_by_spark(read(spark, typed, url=url, index="by_age").filter("age < 30"))
+        df = read(spark, typed, url=url, index="by_age", pushdown="false")
+        assert filtered_by_spark(df.filter("age < 30"))
+        monkeypatch.setattr("indexer.spark.read_plan_per_scan", lambda _: False)
+        assert not register(spark).default_pushdown
+        df = read(spark, typed, url=url, index="by_age", pushdown="true")
+        assert not filtered_by_spark(df.filter("age < 30"))
+    finally:
+        monkeypatch.undo()
+        register(spark)
 
 
 def test_offline_read_of_a_stopped_node_equals_the_online_read(
@@ -438,6 +460,28 @@ def test_filter_ranges_hold_every_value_that_passes() -> None:
                 if passes:
                     expected.append(spark_value)
             assert kept == expected, (kind, filters)
+
+
+def test_the_pushdown_default_is_on_only_when_the_check_finds_plans_per_scan() -> None:
+    """Without Spark: a check that cannot run (no JVM gateway) leaves pushdown off."""
+    fake: Any = type("FakeSession", (), {"version": "9.9.9"})()
+
+    def no_gateway(spark: SparkSession) -> bool:
+        raise AttributeError("'SparkSession' object has no attribute '_jvm'")
+
+    assert pushdown_default(fake, lambda _: True) == (
+        True,
+        "Spark 9.9.9 keeps the read plan per scan: on",
+    )
+    assert pushdown_default(fake, lambda _: False)[0] is False
+    off, reason = pushdown_default(fake, no_gateway)
+    assert not off and reason.startswith("could not tell") and "_jvm" in reason
+    assert pushdown_default(fake)[0] is False  # a fake session has no JVM either
+    options = {"index": "i", "url": "http://h"}
+    assert SourceOptions.parse(options).pushdown is False
+    assert SourceOptions.parse(options, default_pushdown=True).pushdown is True
+    assert SourceOptions.parse({**options, "pushdown": "false"}, True).pushdown is False
+    assert SourceOptions.parse({**options, "PushDown": "TRUE"}).pushdown is True
 
 
 def test_a_503_that_says_when_is_retried_and_other_errors_are_one_line() -> None:
