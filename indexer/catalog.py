@@ -46,6 +46,7 @@ class IndexCatalog:
         timekeeper: Timekeeper,
         cache: BackIndexCache,
         items: trio.MemorySendChannel[list[StreamItem]],
+        lock: trio.Lock | None = None,
     ) -> None:
         self.store = store
         self.indexes = indexes  # shared with the HTTP API's view: changed in place
@@ -54,7 +55,7 @@ class IndexCatalog:
         self.timekeeper = timekeeper
         self.cache = cache
         self.items = items
-        self._lock = trio.Lock()
+        self._lock = lock or trio.Lock()  # shared with the rollback: one change at a time
 
     async def create(self, definition: IndexDefinition) -> StoredIndex:
         if any(i.definition.name == definition.name for i in self.indexes):
@@ -115,7 +116,9 @@ class IndexCatalog:
                     except StoreError as exc:
                         raise CatalogError(409, str(exc)) from None
                     for worker in self.workers:
-                        worker.writer = IndexWriter(self.store, self.indexes, self.cache)
+                        worker.writer = IndexWriter(
+                            self.store, self.indexes, self.cache, worker.writer.undo
+                        )
 
                 await self.timekeeper.drain_all(switch)
             finally:

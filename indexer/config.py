@@ -54,6 +54,7 @@ class PipelineConfig:
 class SnapshotConfig:
     in_memory_interval_s: float
     persist_interval_s: float
+    recovery_points: int = 5
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
     snapshots = SnapshotConfig(
         in_memory_interval_s=n.integer("in_memory_interval_ms", 1, 60_000) / 1000,
         persist_interval_s=n.integer("persist_interval_ms", 10, 3_600_000) / 1000,
+        recovery_points=n.integer("recovery_points", 0, 1000),
     )
     b = _Section(raw["slab"], "slab")
     slab_bytes = b.integer("slab_bytes", 4096, 1 << 30)

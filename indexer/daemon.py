@@ -25,16 +25,18 @@ from indexer.config import Config
 from indexer.dispatch import dispatch
 from indexer.http import DaemonView, HttpApi
 from indexer.reader import Reader, StreamRegistry
+from indexer.recovery import RecoveryPoints
+from indexer.rollback import Rollback, recover_store
 from indexer.snapshots import (
+    PersistedState,
     SnapshotFileError,
     SnapshotStore,
-    StabilityTimestamp,
-    read_snapshot_file,
+    read_persisted_state,
 )
 from indexer.storage import IndexStore
-from indexer.timekeeper import HighWaterTimestamp, Timekeeper
+from indexer.timekeeper import HighWaterTimestamp, Recovery, Timekeeper
 from slab import MemoryThrottle, MutationRing, SlabPool, ThrottlePolicy
-from workers.flush import BackIndexCache, IndexWriter
+from workers.flush import BackIndexCache, IndexWriter, entry_counts
 from workers.worker import StreamItem, Worker
 
 log = logging.getLogger("indexer.daemon")
@@ -70,25 +72,26 @@ def bulk_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
-def recover(config: Config) -> StabilityTimestamp:
-    """The restart timestamp: the last persisted snapshot, or zero."""
+def recover(config: Config) -> PersistedState:
+    """The restart state: the last persisted snapshot and recovery points, or zero."""
     n = config.server.num_vbuckets
     try:
-        found = read_snapshot_file(config.server.data_dir, n)
+        found = read_persisted_state(config.server.data_dir, n)
     except SnapshotFileError as exc:
         # Replaying from zero is always safe: applying a document's mutations again converges.
         log.error("%s; restarting every vbucket from seqno 0", exc)
-        return StabilityTimestamp.zero(n)
+        return PersistedState.zero(n)
     if found is None:
         log.info("no persisted snapshot: starting every vbucket from seqno 0")
-        return StabilityTimestamp.zero(n)
-    ts, when = found
+        return PersistedState.zero(n)
+    current = found.current
     log.info(
-        "recovered persisted snapshot of %s (%d vbuckets past seqno 0)",
-        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)),
-        sum(1 for s in ts.seqnos if s),
+        "recovered persisted snapshot of %s (%d vbuckets past seqno 0; %d recovery points)",
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(current.persisted_at)),
+        sum(1 for s in current.timestamp.seqnos if s),
+        len(found.points),
     )
-    return ts
+    return found
 
 
 async def serve(config: Config, ready: Callable[[Listening], None] | None = None) -> None:
@@ -97,19 +100,22 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
     server.data_dir.mkdir(parents=True, exist_ok=True)
     with IndexStore(server.data_dir) as store, bulk_gc():
         indexes = store.ensure_indexes(config.indexes)
-        restart = recover(config)
+        state = recover(config)
+        restart = state.current.timestamp
+        # What a crash (or a rollback cut short) left beyond the persisted snapshot is undone.
+        reverted = await trio.to_thread.run_sync(
+            recover_store, store, indexes, server.data_dir, state
+        )
+        if reverted < 0:
+            log.warning("emptied the store: a rollback to zero was cut short")
+        elif reverted:
+            log.info("undid %d documents changed after the persisted snapshot", reverted)
+        if state.cleared:
+            state = PersistedState(state.current, (), state.failover_logs)
         cache = BackIndexCache(config.pipeline.back_index_cache, len(indexes))
         started = time.monotonic()
         await trio.to_thread.run_sync(cache.load, store, indexes)
-        entry_counts = [0] * len(indexes)
-        if cache.complete:
-            for keys in cache.entries.values():
-                for j, key in enumerate(keys):
-                    if key:
-                        entry_counts[j] += 1
-        else:  # the cache holds part of the back index: count the main entries instead
-            for j, index in enumerate(indexes):
-                entry_counts[j] = await trio.to_thread.run_sync(store.count_main, index)
+        counts = await trio.to_thread.run_sync(entry_counts, store, indexes, cache)
         log.info(
             "back index: %d documents loaded in %.2f s (%s)",
             len(cache.entries),
@@ -127,16 +133,19 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             ),
             memory.sample_interval_s,
         )
+        keep = config.snapshots.recovery_points
+        points = RecoveryPoints(state.current.point, enabled=keep > 0)
         workers = [
             Worker(
                 i,
                 pool,
                 MutationRing(config.pipeline.ring_slots),
                 hwt,
-                IndexWriter(store, indexes, cache),
+                IndexWriter(store, indexes, cache, points.log()),
             )
             for i in range(config.pipeline.workers)
         ]
+        registry = StreamRegistry(server.owned_vbuckets, restart.seqnos, state.failover_logs)
         timekeeper = Timekeeper(
             hwt,
             workers,
@@ -145,10 +154,10 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             server.data_dir,
             config.snapshots.in_memory_interval_s,
             config.snapshots.persist_interval_s,
-            entry_counts,
+            counts,
             indexes,
+            Recovery(points, state, keep, lambda: dict(registry.failover_logs)),
         )
-        registry = StreamRegistry(server.owned_vbuckets, restart.seqnos)
         capacity = config.pipeline.channel_batches
         to_dispatch, from_readers = trio.open_memory_channel[list[StreamItem]](capacity)
         channels = [trio.open_memory_channel[list[StreamItem]](capacity) for _ in workers]
@@ -160,7 +169,23 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             to_dispatch,
             server.max_frame_bytes,
         )
-        catalog = IndexCatalog(store, indexes, reader, workers, timekeeper, cache, to_dispatch)
+        pipeline_lock = trio.Lock()  # index changes and rollbacks, one at a time
+        catalog = IndexCatalog(
+            store, indexes, reader, workers, timekeeper, cache, to_dispatch, pipeline_lock
+        )
+        reader.rollback = Rollback(
+            store,
+            indexes,
+            reader,
+            registry,
+            workers,
+            timekeeper,
+            snapshots,
+            cache,
+            to_dispatch,
+            server.data_dir,
+            pipeline_lock,
+        )
         view = DaemonView(
             store,
             indexes,

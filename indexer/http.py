@@ -53,7 +53,7 @@ from indexer.scans import (
     parse_json_param,
     splits,
 )
-from indexer.snapshots import SnapshotStore, StabilitySnapshot
+from indexer.snapshots import RolledBackError, SnapshotStore, StabilitySnapshot
 from indexer.storage import IndexStore, StoredIndex
 from indexer.timekeeper import HighWaterTimestamp, Timekeeper
 from indexer.where import WhereError, normalize_where
@@ -291,7 +291,10 @@ class HttpApi:
                 raise ApiError(503, "no readable snapshot yet", {"retry-after": "1"})
             return snaps.stable
         with trio.move_on_after(timeout_s):
-            return await snaps.wait_covering(target)
+            try:
+                return await snaps.wait_covering(target)
+            except RolledBackError as exc:
+                raise ApiError(409, str(exc)) from None
         raise ApiError(
             504, f"timed out after {timeout_s:g} s waiting for a snapshot at {consistency}"
         )

@@ -17,6 +17,7 @@ from typing import Any
 
 VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
+MAX_FAILOVER_ENTRIES = 25  # entries kept per vbucket, as a KV failover table
 
 _HEADER = struct.Struct(">IBB")
 _VB_UUID = struct.Struct(">HQ")
@@ -73,6 +74,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 10
     BAD_MUTATION = 11  # a record that does not match the index definitions
     INDEXES_CHANGED = 12  # an index was created or dropped: handshake again for the new keys
+    ROLLBACK = 13  # the index rolled back (another router's failover): handshake again
 
 
 class ProtocolError(Exception):
@@ -106,11 +108,17 @@ class VbucketPosition:
 
 @dataclass(frozen=True, slots=True)
 class Handshake:
-    """Router -> indexer: who is speaking and which vbuckets it streams."""
+    """Router -> indexer: who is speaking, which vbuckets it streams, and their histories.
+
+    `failover_logs` maps a vbucket to its failover log: (vbuuid, seqno) entries, newest first,
+    each the seqno at which that branch of history starts (UPR). A router that sends none is
+    trusted never to reuse a seqno.
+    """
 
     router: str
     num_vbuckets: int
     vbuckets: tuple[int, ...]
+    failover_logs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +130,8 @@ class HandshakeReply:
     owned: tuple[int, ...]
     restart: tuple[VbucketPosition, ...]
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    # vbucket -> seqno it was rolled back to at this handshake (its `restart` says the same).
+    rollback: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,10 +276,14 @@ def encode(message: Message) -> bytes:
             return _frame(MessageType.ACK, _positions(positions))
         case Error(code, text):
             return _frame(MessageType.ERROR, _ERROR.pack(code) + text.encode())
-        case Handshake(router, num_vbuckets, vbuckets):
+        case Handshake(router, num_vbuckets, vbuckets, failover_logs):
             body = {"router": router, "num_vbuckets": num_vbuckets, "vbuckets": list(vbuckets)}
+            if failover_logs:
+                body["failover_logs"] = {
+                    str(vb): [list(entry) for entry in log] for vb, log in failover_logs.items()
+                }
             return _frame(MessageType.HANDSHAKE, _json(body))
-        case HandshakeReply(indexes, num_vbuckets, owned, restart, max_frame_bytes):
+        case HandshakeReply(indexes, num_vbuckets, owned, restart, max_frame_bytes, rollback):
             body = {
                 "max_frame_bytes": max_frame_bytes,
                 "indexes": [_index_json(i) for i in indexes],
@@ -277,6 +291,8 @@ def encode(message: Message) -> bytes:
                 "owned": list(owned),
                 "restart": [[p.vbucket, p.seqno, p.vbuuid] for p in restart],
             }
+            if rollback:
+                body["rollback"] = {str(vb): seqno for vb, seqno in rollback.items()}
             return _frame(MessageType.HANDSHAKE_REPLY, _json(body))
     raise TypeError(f"not a protocol message: {message!r}")
 
@@ -366,7 +382,45 @@ def _decode_handshake(payload: bytes) -> Handshake:
     num = body.get("num_vbuckets")
     if not isinstance(router, str) or not isinstance(num, int) or isinstance(num, bool):
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "handshake needs router and num_vbuckets")
-    return Handshake(router, num, _int_list(body.get("vbuckets"), "vbuckets"))
+    vbuckets = _int_list(body.get("vbuckets"), "vbuckets")
+    return Handshake(router, num, vbuckets, _failover_logs(body.get("failover_logs", {}), num))
+
+
+def _failover_logs(value: Any, num_vbuckets: int) -> dict[int, tuple[tuple[int, int], ...]]:
+    """{"vb": [[vbuuid, seqno], ...]}: u64 integers, at most MAX_FAILOVER_ENTRIES per vbucket."""
+    if not isinstance(value, dict):
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "failover_logs must be a JSON object")
+    logs = {}
+    for key, entries in value.items():
+        if not key.isdigit() or int(key) >= num_vbuckets:
+            raise ProtocolError(
+                ErrorCode.BAD_HANDSHAKE, f"failover_logs: {key!r} is not a vbucket number"
+            )
+        if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_FAILOVER_ENTRIES:
+            raise ProtocolError(
+                ErrorCode.BAD_HANDSHAKE,
+                f"failover_logs[{key}]: a list of 1 to {MAX_FAILOVER_ENTRIES} entries",
+            )
+        log = []
+        for entry in entries:
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+                and all(0 <= v < 1 << 64 for v in entry)
+            ):
+                raise ProtocolError(
+                    ErrorCode.BAD_HANDSHAKE,
+                    f"failover_logs[{key}]: entries are [vbuuid, seqno] (u64 integers)",
+                )
+            log.append((entry[0], entry[1]))
+        if any(log[i][1] < log[i + 1][1] for i in range(len(log) - 1)):
+            raise ProtocolError(
+                ErrorCode.BAD_HANDSHAKE,
+                f"failover_logs[{key}]: newest entry first, seqnos never increasing",
+            )
+        logs[int(key)] = tuple(log)
+    return logs
 
 
 def _decode_index(item: Any) -> IndexDefinition:
@@ -389,8 +443,9 @@ def _decode_handshake_reply(payload: bytes) -> HandshakeReply:
             _int_list(body["owned"], "owned"),
             restart,
             int(body.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)),
+            {int(vb): int(seqno) for vb, seqno in body.get("rollback", {}).items()},
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, f"bad handshake reply: {exc}") from None
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
 
 from indexer import protocol as p
 from indexer.protocol import ErrorCode, ProtocolError
+from indexer.recovery import FailoverLog, rollback_seqno
 from indexer.snapshots import SnapshotStore
 from slab import MemoryThrottle
 from workers.worker import StreamItem
@@ -46,8 +47,15 @@ class StreamRegistry:
     resend from the persisted timestamp, and records at or below it are skipped as duplicates.
     """
 
-    def __init__(self, owned: Sequence[int], persisted_seqnos: Sequence[int]) -> None:
+    def __init__(
+        self,
+        owned: Sequence[int],
+        persisted_seqnos: Sequence[int],
+        failover_logs: dict[int, FailoverLog] | None = None,
+    ) -> None:
         n = len(persisted_seqnos)
+        # Per vbucket, the history (failover log) the received mutations belong to.
+        self.failover_logs: dict[int, FailoverLog] = dict(failover_logs or {})
         self.owned = bytearray(n)
         for vb in owned:
             self.owned[vb] = 1
@@ -225,19 +233,22 @@ class Reader:
         self.throttle = throttle
         self.items = items
         self.max_frame_bytes = max_frame_bytes
+        # Rolls the index back (set by the daemon): connection id, {vbucket: rollback seqno}.
+        self.rollback: Callable[[int, dict[int, int]], Awaitable[None]] | None = None
         self._ids = itertools.count(1)
         self._open = trio.Event()
         self._open.set()
         self._live: dict[int, trio.CancelScope] = {}
         self._kick: tuple[ErrorCode, str] | None = None
 
-    def close_connections(self, code: ErrorCode, message: str) -> None:
-        """Stop accepting and close every connection with an error frame saying why."""
+    def close_connections(self, code: ErrorCode, message: str, keep: int | None = None) -> None:
+        """Stop accepting and close every connection (but `keep`) with an error frame saying why."""
         self._open = trio.Event()
         self._kick = (code, message)
-        log.info("closing %d router connections (%s): %s", len(self._live), code.name, message)
-        for scope in self._live.values():
-            scope.cancel()
+        closing = [c for c in self._live if c != keep]
+        log.info("closing %d router connections (%s): %s", len(closing), code.name, message)
+        for conn_id in closing:
+            self._live[conn_id].cancel()
 
     @property
     def connected(self) -> int:
@@ -342,11 +353,45 @@ class Reader:
                         if item is not None:
                             accepted.append(item)
                         if was_new and conn.handshake is not None:
-                            await self._reply(stream, conn, send_lock, nursery, peer)
+                            rolled_back = await self._check_history(conn)
+                            await self._reply(stream, conn, send_lock, nursery, peer, rolled_back)
             finally:
                 # Frames before a bad one are valid: hand them on before the error goes out.
                 if accepted:
                     await items.send(accepted)
+
+    async def _check_history(self, conn: Connection) -> set[int]:
+        """Compare the router's failover logs with the index's; roll back if history diverged.
+
+        Returns the vbuckets rolled back. The router's logs then become the index's: what the
+        index holds (after any rollback) is part of the router's history.
+        """
+        assert conn.handshake is not None
+        reg = self.registry
+        remote = {
+            vb: history
+            for vb, history in conn.handshake.failover_logs.items()
+            if vb < len(reg.owned) and reg.owned[vb]
+        }
+        needs = {}
+        for vb, history in remote.items():
+            local = reg.failover_logs.get(vb)
+            if local is not None:
+                seqno = rollback_seqno(local, reg.received[vb], history)
+                if seqno is not None:
+                    needs[vb] = seqno
+        if needs:
+            log.warning(
+                "router %s: history of %d vbuckets diverged (e.g. vbucket %d: back to seqno %d)",
+                conn.handshake.router or "unnamed",
+                len(needs),
+                *next(iter(needs.items())),
+            )
+            if self.rollback is None:
+                raise ProtocolError(ErrorCode.INTERNAL, "rollback is not available")
+            await self.rollback(conn.conn_id, needs)
+        reg.failover_logs.update(remote)
+        return set(needs)
 
     async def _reply(
         self,
@@ -355,6 +400,7 @@ class Reader:
         send_lock: trio.Lock,
         nursery: trio.Nursery,
         peer: str,
+        rolled_back: set[int],
     ) -> None:
         assert conn.handshake is not None
         owned = tuple(vb for vb, flag in enumerate(self.registry.owned) if flag)
@@ -366,6 +412,7 @@ class Reader:
             owned,
             persisted.positions(wanted),
             self.max_frame_bytes,
+            {vb: persisted.seqnos[vb] for vb in sorted(rolled_back)},
         )
         async with send_lock:
             await stream.send_all(p.encode(reply))

@@ -13,16 +13,18 @@ import os
 import time
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from indexer.protocol import VbucketPosition
+from indexer.recovery import FailoverLog
 
 SNAPSHOT_FILE = "snapshot.json"
-FORMAT = 1
+FORMAT = 2  # 2 added recovery points and failover logs
+READABLE_FORMATS = (1, 2)
 
 log = logging.getLogger("indexer.snapshots")
 
@@ -61,13 +63,63 @@ def _checksum(body: dict[str, Any]) -> str:
     return f"{zlib.crc32(canonical):08x}"
 
 
-def write_snapshot_file(data_dir: Path, ts: StabilityTimestamp) -> None:
-    """Record `ts` as the persisted snapshot: atomic and durable (blocking)."""
+@dataclass(frozen=True)
+class RecoveryPoint:
+    """A persisted snapshot the store can be brought back to (see `indexer.recovery`).
+
+    `point` tags the undo records written after it. `clean` says the store held exactly the
+    timestamp when the point was made (not also mutations flushed early under memory pressure):
+    only clean points are rolled back to.
+    """
+
+    point: int
+    timestamp: StabilityTimestamp
+    persisted_at: float
+    clean: bool = True
+
+
+@dataclass(frozen=True)
+class PersistedState:
+    """What the snapshot file records: the persisted snapshot, older recovery points, and the
+    failover log of every vbucket as of the persisted snapshot."""
+
+    current: RecoveryPoint
+    older: tuple[RecoveryPoint, ...] = ()  # newest first
+    failover_logs: dict[int, FailoverLog] = field(default_factory=dict)
+    cleared: bool = False  # rolled back to zero: the store must be emptied before use
+
+    @classmethod
+    def zero(cls, num_vbuckets: int) -> PersistedState:
+        return cls(RecoveryPoint(0, StabilityTimestamp.zero(num_vbuckets), 0.0))
+
+    @property
+    def points(self) -> tuple[RecoveryPoint, ...]:
+        """Every kept recovery point, newest first."""
+        return (self.current, *self.older)
+
+
+def _point_body(point: RecoveryPoint) -> dict[str, Any]:
+    return {
+        "point": point.point,
+        "persisted_at": point.persisted_at,
+        "seqnos": list(point.timestamp.seqnos),
+        "vbuuids": list(point.timestamp.vbuuids),
+        "clean": point.clean,
+    }
+
+
+def write_snapshot_file(data_dir: Path, state: PersistedState | StabilityTimestamp) -> None:
+    """Record the persisted snapshot (and recovery points): atomic and durable (blocking)."""
+    if isinstance(state, StabilityTimestamp):
+        state = PersistedState(RecoveryPoint(0, state, time.time()))
     body: dict[str, Any] = {
         "format": FORMAT,
-        "persisted_at": time.time(),
-        "seqnos": list(ts.seqnos),
-        "vbuuids": list(ts.vbuuids),
+        **_point_body(state.current),
+        "failover_logs": {
+            str(vb): [list(entry) for entry in log] for vb, log in state.failover_logs.items()
+        },
+        "recovery_points": [_point_body(p) for p in state.older],
+        "cleared": state.cleared,
     }
     body["checksum"] = _checksum(body)
     path = data_dir / SNAPSHOT_FILE
@@ -88,6 +140,14 @@ def read_snapshot_file(
     data_dir: Path, num_vbuckets: int
 ) -> tuple[StabilityTimestamp, float] | None:
     """The persisted timestamp and when it was written, or None if none was ever persisted."""
+    state = read_persisted_state(data_dir, num_vbuckets)
+    if state is None:
+        return None
+    return state.current.timestamp, state.current.persisted_at
+
+
+def read_persisted_state(data_dir: Path, num_vbuckets: int) -> PersistedState | None:
+    """Everything the snapshot file records, or None if none was ever persisted."""
     path = data_dir / SNAPSHOT_FILE
     try:
         raw = path.read_bytes()
@@ -98,17 +158,33 @@ def read_snapshot_file(
         checksum = body.pop("checksum")
         if checksum != _checksum(body):
             raise SnapshotFileError(f"{path}: checksum mismatch")
-        if body["format"] != FORMAT:
+        if body["format"] not in READABLE_FORMATS:
             raise SnapshotFileError(f"{path}: unknown format {body['format']}")
-        seqnos = tuple(int(s) for s in body["seqnos"])
-        vbuuids = tuple(int(u) for u in body["vbuuids"])
+        current = _read_point(body, num_vbuckets, path)
+        older = tuple(_read_point(p, num_vbuckets, path) for p in body.get("recovery_points", []))
+        logs = {
+            int(vb): tuple((int(u), int(s)) for u, s in log)
+            for vb, log in body.get("failover_logs", {}).items()
+        }
+        cleared = bool(body.get("cleared", False))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotFileError(f"{path}: unreadable: {exc}") from None
+    return PersistedState(current, older, logs, cleared)
+
+
+def _read_point(body: dict[str, Any], num_vbuckets: int, path: Path) -> RecoveryPoint:
+    seqnos = tuple(int(s) for s in body["seqnos"])
+    vbuuids = tuple(int(u) for u in body["vbuuids"])
     if len(seqnos) != num_vbuckets or len(vbuuids) != num_vbuckets:
         raise SnapshotFileError(
             f"{path}: holds {len(seqnos)} vbuckets but the configuration has {num_vbuckets}"
         )
-    return StabilityTimestamp(seqnos, vbuuids), float(body["persisted_at"])
+    return RecoveryPoint(
+        int(body.get("point", 0)),
+        StabilityTimestamp(seqnos, vbuuids),
+        float(body["persisted_at"]),
+        bool(body.get("clean", True)),
+    )
 
 
 class StabilitySnapshot:
@@ -169,6 +245,10 @@ class Pin:
     expires_at: float
 
 
+class RolledBackError(Exception):
+    """A failover rolled the index back while a request waited for a snapshot."""
+
+
 class SnapshotStore:
     """The latest readable and persisted snapshots and the pinned ones; tasks wait here."""
 
@@ -183,6 +263,8 @@ class SnapshotStore:
         self._persisted_count = 0
         self._persist_lag = 0.0
         self._changed = trio.Event()
+        self.rollbacks = 0
+        self.last_rollback: StabilityTimestamp | None = None
 
     def publish(
         self,
@@ -221,13 +303,31 @@ class SnapshotStore:
         await self._changed.wait()
 
     async def wait_covering(self, seqnos: Iterable[tuple[int, int]]) -> StabilitySnapshot:
-        """The first readable snapshot covering every (vbucket, seqno); cancel to give up."""
+        """The first readable snapshot covering every (vbucket, seqno); cancel to give up.
+
+        Raises RolledBackError if the index rolls back meanwhile: the seqnos waited for may
+        belong to a history that no longer exists.
+        """
         wanted = [(vb, s) for vb, s in seqnos if s > 0]
+        rollbacks = self.rollbacks
         while True:
             stable = self.stable
             if stable is not None and stable.timestamp.covers(wanted):
                 return stable
             await self.wait_changed()
+            if self.rollbacks != rollbacks:
+                assert self.last_rollback is not None
+                raise RolledBackError(
+                    "the index rolled back to an earlier snapshot after a failover of its source "
+                    f"(seqnos summing to {self.last_rollback.total}) while this request waited; "
+                    "retry it"
+                )
+
+    def roll_back(self, snapshot: StabilitySnapshot) -> None:
+        """After a rollback: `snapshot` (published already) is both stable and persisted."""
+        self.rollbacks += 1
+        self.last_rollback = snapshot.timestamp
+        self.record_persisted(snapshot, 0.0)
 
     def pin(self, snapshot: StabilitySnapshot, lease_s: float) -> Pin:
         self._pin_numbers += 1

@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
-from indexer.snapshots import SnapshotStore, StabilityTimestamp, write_snapshot_file
+from indexer.recovery import FailoverLog, RecoveryPoints, prune
+from indexer.snapshots import (
+    PersistedState,
+    RecoveryPoint,
+    SnapshotStore,
+    StabilityTimestamp,
+    write_snapshot_file,
+)
 from indexer.storage import IndexStore, StoredIndex
 
 if TYPE_CHECKING:
@@ -42,6 +50,14 @@ class HighWaterTimestamp:
         self.stable = list(start.seqnos)
         self.num_vbuckets = n
 
+    def reset(self, start: StabilityTimestamp) -> None:
+        """After a rollback: everything restarts from `start`."""
+        self.seqnos[:] = start.seqnos
+        self.vbuuids[:] = start.vbuuids
+        self.snapshot_start[:] = start.seqnos
+        self.snapshot_end[:] = start.seqnos
+        self.stable[:] = start.seqnos
+
     def record_begin(self, vbucket: int, vbuuid: int) -> None:
         self.vbuuids[vbucket] = vbuuid
 
@@ -64,6 +80,16 @@ class HighWaterTimestamp:
     def high_water(self) -> StabilityTimestamp:
         """Everything queued, aligned or not."""
         return StabilityTimestamp(tuple(self.seqnos), tuple(self.vbuuids))
+
+
+@dataclass
+class Recovery:
+    """Recovery points as the timekeeper makes them: undo tag, persisted state, how many kept."""
+
+    points: RecoveryPoints
+    state: PersistedState
+    keep: int
+    failover_logs: Callable[[], dict[int, FailoverLog]] = field(default=dict)
 
 
 @dataclass(frozen=True)
@@ -90,6 +116,7 @@ class Timekeeper:
         persist_interval_s: float,
         entry_counts: Sequence[int],
         indexes: Sequence[StoredIndex] = (),
+        recovery: Recovery | None = None,
     ) -> None:
         self.hwt = hwt
         self.workers = workers
@@ -102,6 +129,9 @@ class Timekeeper:
         self._stable = start
         # What the store may hold beyond the stable timestamp after a flush under memory pressure.
         self._store_high = list(start.seqnos)
+        self.recovery = recovery or Recovery(
+            RecoveryPoints(0, enabled=False), PersistedState(RecoveryPoint(0, start, 0.0)), 0
+        )
         self._stopping = trio.Event()
         # Flushes of one worker must not overlap: a later batch could land before an earlier one.
         self._flush_lock = trio.Lock()
@@ -119,7 +149,7 @@ class Timekeeper:
 
     async def run(self) -> None:
         # What the store holds at start is readable at once: the recovered timestamp.
-        start = self.snapshots.publish(self._stable, self.store.snapshot(), self._counts())
+        start = self.snapshots.publish(self._stable, self.store.snapshot(), self.counts())
         self.snapshots.record_persisted(start, 0.0)
         last_persist = trio.current_time()
         # A fixed cadence: a cut that takes long does not push the next one a whole interval away.
@@ -146,24 +176,23 @@ class Timekeeper:
 
         Returns whether the stability timestamp moved.
         """
-        ts = self.hwt.stability_timestamp()
-        if ts.seqnos != self._stable.seqnos:
-            await self._flush_all(ts.seqnos)
-            self._stable = ts
-            self._flushes += 1
-            if all(h <= s for h, s in zip(self._store_high, ts.seqnos, strict=True)):
-                self.snapshots.publish(ts, self.store.snapshot(), self._counts())
-            return True
+        async with self._flush_lock:  # a rollback may reset the timestamps meanwhile
+            ts = self.hwt.stability_timestamp()
+            if ts.seqnos != self._stable.seqnos:
+                await self._flush_workers(ts.seqnos)
+                self._stable = ts
+                self._flushes += 1
+                if all(h <= s for h, s in zip(self._store_high, ts.seqnos, strict=True)):
+                    self.snapshots.publish(ts, self.store.snapshot(), self.counts())
+                return True
         if any(w.blocked for w in self.workers):
             # The queues are full of snapshots not yet complete: write them without publishing.
             await self.drain_all()
             self._memory_flushes += 1
         return False
 
-    def _counts(self) -> dict[str, int]:
-        return {
-            i.definition.name: n for i, n in zip(self.indexes, self.entry_counts, strict=True)
-        }
+    def counts(self) -> dict[str, int]:
+        return {i.definition.name: n for i, n in zip(self.indexes, self.entry_counts, strict=True)}
 
     async def drain_all(self, then: Callable[[], None] | None = None) -> None:
         """Write everything queued, aligned or not, without publishing it (see `cut`).
@@ -174,7 +203,6 @@ class Timekeeper:
         high = self.hwt.high_water().seqnos
         async with self._flush_lock:
             await self._flush_workers(high)
-            self._store_high = [max(a, b) for a, b in zip(self._store_high, high, strict=True)]
             if then is not None:
                 then()
 
@@ -183,6 +211,7 @@ class Timekeeper:
             await self._flush_workers(upto)
 
     async def _flush_workers(self, upto: Sequence[int]) -> None:
+        self._store_high = [max(a, b) for a, b in zip(self._store_high, upto, strict=True)]
         results = []
 
         async def flush_one(worker: Worker) -> None:
@@ -203,21 +232,35 @@ class Timekeeper:
     async def persist(self) -> bool:
         """Sync the store and record the latest readable timestamp in the snapshot file.
 
-        Returns whether there was anything new to persist.
+        The persisted snapshot becomes a recovery point: undo records written from now on are
+        tagged with it, and those no kept point needs are pruned. Returns whether there was
+        anything new to persist.
         """
-        stable = self.snapshots.stable
-        if stable is None or stable.timestamp == self.snapshots.persisted:
-            return False
-        ts = stable.timestamp
-        started = time.time()
-        stable.acquire()  # a newer publish must not close it while the file is written
-        try:
-            await trio.to_thread.run_sync(self.store.sync)
-            await trio.to_thread.run_sync(write_snapshot_file, self.data_dir, ts)
-            lag = time.time() - stable.created_at
-            self.snapshots.record_persisted(stable, lag)
-        finally:
-            stable.release()
+        recovery = self.recovery
+        async with self._flush_lock:  # no flush between the file and the new undo tag
+            stable = self.snapshots.stable
+            if stable is None or stable.timestamp == self.snapshots.persisted:
+                return False
+            ts = stable.timestamp
+            started = time.time()
+            stable.acquire()  # a newer publish must not close it while the file is written
+            try:
+                await trio.to_thread.run_sync(self.store.sync)
+                clean = all(h <= s for h, s in zip(self._store_high, ts.seqnos, strict=True))
+                state = recovery.state
+                point = RecoveryPoint(recovery.points.tag + 1, ts, started, clean)
+                older = state.points[: max(recovery.keep - 1, 0)]
+                new_state = PersistedState(point, older, recovery.failover_logs())
+                await trio.to_thread.run_sync(write_snapshot_file, self.data_dir, new_state)
+                recovery.state = new_state
+                recovery.points.advance(point.point)
+                lag = time.time() - stable.created_at
+                self.snapshots.record_persisted(stable, lag)
+            finally:
+                stable.release()
+        oldest = new_state.points[-1].point
+        if recovery.points.enabled:
+            await trio.to_thread.run_sync(prune, self.store, oldest)
         log.info(
             "snapshot persisted: seqnos summing to %d, lag %.0f ms, sync %.0f ms",
             ts.total,
@@ -225,6 +268,20 @@ class Timekeeper:
             (time.time() - started) * 1000,
         )
         return True
+
+    @asynccontextmanager
+    async def stopped_flushes(self) -> AsyncIterator[None]:
+        """Hold off every flush, cut and persist, after writing everything queued."""
+        async with self._flush_lock:
+            await self._flush_workers(self.hwt.high_water().seqnos)
+            yield
+
+    def reset(self, start: StabilityTimestamp, entry_counts: Sequence[int]) -> None:
+        """After a rollback (inside `stopped_flushes`): the store holds exactly `start`."""
+        self.hwt.reset(start)
+        self._stable = start
+        self._store_high = list(start.seqnos)
+        self.entry_counts[:] = entry_counts
 
     def statistics(self) -> TimekeeperStatistics:
         return TimekeeperStatistics(

@@ -19,6 +19,7 @@ from typing import Any
 
 from indexer.keys import entry_tail
 from indexer.protocol import OP_DELETE, queued_layout
+from indexer.recovery import UndoLog, encode_undo, undo_key
 from indexer.storage import IndexStore, StoredIndex
 
 Keys = tuple[bytes, ...]
@@ -40,6 +41,7 @@ class BackIndexCache:
 
     def load(self, store: IndexStore, indexes: Sequence[StoredIndex]) -> None:
         """Fill from the store's back index; stays complete only if everything fits."""
+        self.complete = True
         empty = (b"",) * self.nindexes
         entries: dict[bytes, list[bytes]] = {}
         for j, index in enumerate(indexes):
@@ -75,6 +77,20 @@ class BackIndexCache:
         self.complete = False
 
 
+def entry_counts(
+    store: IndexStore, indexes: Sequence[StoredIndex], cache: BackIndexCache
+) -> list[int]:
+    """Entries per index: from a complete cache, else a walk of the main entries (blocking)."""
+    if not cache.complete:
+        return [store.count_main(index) for index in indexes]
+    counts = [0] * len(indexes)
+    for keys in cache.entries.values():
+        for j, key in enumerate(keys):
+            if key:
+                counts[j] += 1
+    return counts
+
+
 @dataclass(frozen=True)
 class FlushResult:
     """What one flush did: mutations taken, documents written, LevelDB operations."""
@@ -89,8 +105,17 @@ class FlushResult:
 class IndexWriter:
     """Turns a list of queued records into one WriteBatch; one writer per worker."""
 
-    def __init__(self, store: IndexStore, indexes: Sequence[StoredIndex], cache: BackIndexCache):
+    def __init__(
+        self,
+        store: IndexStore,
+        indexes: Sequence[StoredIndex],
+        cache: BackIndexCache,
+        undo: UndoLog | None = None,
+    ):
         self.store = store
+        self.indexes = tuple(indexes)
+        # Without an undo log (tests, tools) nothing can be rolled back past the store's state.
+        self.undo = undo if undo is not None else UndoLog(0, enabled=False)
         self.nindexes = len(indexes)
         self.main_prefixes = [i.main_prefix for i in indexes]
         self.back_prefixes = [i.back_prefix for i in indexes]
@@ -132,6 +157,7 @@ class IndexWriter:
         main_prefixes = self.main_prefixes
         back_prefixes = self.back_prefixes
         indexes = range(self.nindexes)
+        undo = self.undo
         batch = self.store.write_batch()
         put = batch.put
         delete = batch.delete
@@ -149,6 +175,8 @@ class IndexWriter:
             if old == new:
                 continue
             tail = entry_tail(docid)
+            if undo.enabled and undo.first_change(docid):
+                put(undo_key(undo.tag, docid), encode_undo(self.indexes, old))
             for j in indexes:
                 o = old[j]
                 n = new[j]

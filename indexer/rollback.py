@@ -1,0 +1,171 @@
+"""The rollback: taking the index back to a recovery point when a source's history diverged.
+
+A router's handshake carries its failover logs; the reader compares them with the index's and,
+where the index holds mutations that did not survive a failover, calls this stage. Like an index
+change, it happens between two epochs of the stream: every other router is closed with ROLLBACK,
+a marker follows everything received through the pipeline, everything queued is written. Then,
+with flushes held off, the newest clean recovery point at or below every rollback seqno becomes
+the persisted snapshot (the file first, so a crash half way finishes the restore at start-up),
+the store is brought back to it with the undo records, or emptied if no point is old enough,
+and the timestamps, the back-index cache and the readable snapshot restart from there. Scans
+waiting for a snapshot get a rollback error; routers resume from the restored timestamp.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from indexer.protocol import ErrorCode
+from indexer.reader import Reader, StreamRegistry
+from indexer.recovery import clear, restore
+from indexer.snapshots import (
+    PersistedState,
+    RecoveryPoint,
+    SnapshotStore,
+    StabilityTimestamp,
+    write_snapshot_file,
+)
+from indexer.storage import IndexStore, StoredIndex
+from indexer.timekeeper import Timekeeper
+from workers.flush import BackIndexCache, entry_counts
+from workers.worker import IndexChange, StreamItem, Worker
+
+log = logging.getLogger("indexer.rollback")
+
+
+def choose_point(state: PersistedState, needs: dict[int, int]) -> RecoveryPoint | None:
+    """The newest clean recovery point at or below every rollback seqno; None: back to zero."""
+    for point in state.points:
+        seqnos = point.timestamp.seqnos
+        if point.clean and all(seqnos[vb] <= seqno for vb, seqno in needs.items()):
+            return point
+    return None
+
+
+def restore_store(
+    store: IndexStore,
+    indexes: Sequence[StoredIndex],
+    data_dir: Path,
+    state: PersistedState,
+) -> int:
+    """Make the store hold exactly `state.current` (blocking); how many documents changed.
+
+    The state is written first: if the process dies meanwhile, start-up finishes the job from
+    the file (`recover_store`).
+    """
+    write_snapshot_file(data_dir, state)
+    return recover_store(store, indexes, data_dir, state)
+
+
+def recover_store(
+    store: IndexStore,
+    indexes: Sequence[StoredIndex],
+    data_dir: Path,
+    state: PersistedState,
+) -> int:
+    """Undo what the store holds beyond the persisted snapshot (blocking; also at start-up)."""
+    if state.cleared:
+        clear(store, indexes)
+        write_snapshot_file(
+            data_dir,
+            PersistedState(state.current, state.older, state.failover_logs, cleared=False),
+        )
+        return -1
+    return restore(store, indexes, state.current.point)
+
+
+class Rollback:
+    """Rolls the whole index back for a router whose history diverged (see module doc)."""
+
+    def __init__(
+        self,
+        store: IndexStore,
+        indexes: list[StoredIndex],
+        reader: Reader,
+        registry: StreamRegistry,
+        workers: list[Worker],
+        timekeeper: Timekeeper,
+        snapshots: SnapshotStore,
+        cache: BackIndexCache,
+        items: trio.MemorySendChannel[list[StreamItem]],
+        data_dir: Path,
+        lock: trio.Lock,
+    ) -> None:
+        self.store = store
+        self.indexes = indexes  # the live list, shared with the catalog
+        self.reader = reader
+        self.registry = registry
+        self.workers = workers
+        self.timekeeper = timekeeper
+        self.snapshots = snapshots
+        self.cache = cache
+        self.items = items
+        self.data_dir = data_dir
+        self.lock = lock  # shared with the catalog: one change of the pipeline at a time
+        self.count = 0
+
+    async def __call__(self, conn_id: int, needs: dict[int, int]) -> None:
+        async with self.lock:
+            self.reader.close_connections(
+                ErrorCode.ROLLBACK,
+                "the index rolls back after a failover of another router's source: handshake again",
+                keep=conn_id,
+            )
+            try:
+                while self.reader.connected > 1:
+                    await trio.sleep(0.01)
+                marker = IndexChange(len(self.workers))
+                async with self.items.clone() as items:
+                    await items.send([marker])
+                await marker.wait()
+                async with self.timekeeper.stopped_flushes():
+                    await self._roll_back(needs)
+            finally:
+                self.reader.reopen([i.definition for i in self.indexes])
+
+    async def _roll_back(self, needs: dict[int, int]) -> None:
+        started = time.monotonic()
+        recovery = self.timekeeper.recovery
+        state = recovery.state
+        # Without undo records (recovery_points = 0) only going back to zero is exact.
+        point = choose_point(state, needs) if recovery.points.enabled else None
+        tag = recovery.points.tag
+        if point is None:
+            zero = StabilityTimestamp.zero(len(self.registry.received))
+            target = PersistedState(
+                RecoveryPoint(tag + 1, zero, time.time()), (), state.failover_logs, cleared=True
+            )
+        else:
+            older = tuple(p for p in state.older if p.point < point.point)
+            target = PersistedState(point, older, state.failover_logs)
+        indexes = list(self.indexes)
+        reverted = await trio.to_thread.run_sync(
+            restore_store, self.store, indexes, self.data_dir, target
+        )
+        if target.cleared:
+            target = PersistedState(target.current, (), target.failover_logs)
+        self.cache.complete = True
+        await trio.to_thread.run_sync(self.cache.load, self.store, indexes)
+        counts = await trio.to_thread.run_sync(entry_counts, self.store, indexes, self.cache)
+        ts = target.current.timestamp
+        self.timekeeper.reset(ts, counts)
+        recovery.state = target
+        recovery.points.advance(target.current.point)
+        self.registry.received[:] = ts.seqnos
+        snapshot = self.snapshots.publish(ts, self.store.snapshot(), self.timekeeper.counts())
+        self.snapshots.roll_back(snapshot)
+        self.count += 1
+        log.warning(
+            "rolled back to %s (seqnos summing to %d) for %d diverged vbuckets: "
+            "%s documents reverted in %.2f s",
+            "zero" if point is None else f"recovery point {point.point}",
+            ts.total,
+            len(needs),
+            "all" if reverted < 0 else reverted,
+            time.monotonic() - started,
+        )
