@@ -48,7 +48,7 @@ def in_workdir(prefix: str, keep: bool, run: Callable[[Path], dict[str, Any]]) -
 class Daemon:
     """`python -m indexer serve` on a temp config; both ports read from its log."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra_config: str = "") -> None:
         self.workdir = workdir
         self.data_dir = workdir / "data"
         self.config_path = workdir / "indexer.toml"
@@ -63,7 +63,7 @@ class Daemon:
             f'host = "{HOST}"\n'
             "feed_port = 0\n"
             "http_port = 0\n"
-            'log_level = "info"\n'
+            'log_level = "info"\n' + extra_config
         )
 
     @property

@@ -321,7 +321,10 @@ def readable_at(log: str, mutations: int) -> float | None:
 
 def measure_e2e(opts: argparse.Namespace, workdir: Path) -> EndToEnd:
     """Daemon and router processes; the router's first byte to its covering ack."""
-    daemon = Daemon(workdir)
+    extra = ""
+    if opts.recovery_points is not None:
+        extra = f"[snapshots]\nrecovery_points = {opts.recovery_points}\n"
+    daemon = Daemon(workdir, extra)
     try:
         daemon.start()
         port = daemon.feed_port
@@ -700,6 +703,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run the naive server on this prefix of the workload only (default: all of it)",
     )
     parser.add_argument("--raw-repeats", type=int, default=3, help="raw writes, best kept")
+    parser.add_argument(
+        "--recovery-points",
+        type=int,
+        default=None,
+        help="snapshots.recovery_points of the daemon (default: the configuration's, 5); "
+        "0 writes no undo records",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp directory")
     parser.add_argument("--timeout", type=float, default=1800, help="router timeout, seconds")
     parser.add_argument("--router", type=int, metavar="PORT", help=argparse.SUPPRESS)

@@ -19,7 +19,7 @@ from typing import Any
 
 from indexer.keys import entry_tail
 from indexer.protocol import OP_DELETE, queued_layout
-from indexer.recovery import UndoLog, encode_undo, undo_key
+from indexer.recovery import UndoLog, encode_undo
 from indexer.storage import IndexStore, StoredIndex
 
 Keys = tuple[bytes, ...]
@@ -158,6 +158,9 @@ class IndexWriter:
         back_prefixes = self.back_prefixes
         indexes = range(self.nindexes)
         undo = self.undo
+        record_undo = undo.enabled
+        touched = undo.changed_since_point()
+        undo_records: list[tuple[bytes, Keys]] = []
         batch = self.store.write_batch()
         put = batch.put
         delete = batch.delete
@@ -175,8 +178,9 @@ class IndexWriter:
             if old == new:
                 continue
             tail = entry_tail(docid)
-            if undo.enabled and undo.first_change(docid):
-                put(undo_key(undo.tag, docid), encode_undo(self.indexes, old))
+            if record_undo and docid not in touched:
+                touched.add(docid)
+                undo_records.append((docid, old))
             for j in indexes:
                 o = old[j]
                 n = new[j]
@@ -201,6 +205,8 @@ class IndexWriter:
                     entries[docid] = empty  # remember "in no index" to skip a lookup later
             else:
                 entries[docid] = new
+        if undo_records:
+            put(undo.key(), encode_undo(self.indexes, undo_records))
         cache.trim()
         result = FlushResult(len(chunks), len(latest), puts, deletes, tuple(deltas))
         return batch, result
