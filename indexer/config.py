@@ -40,6 +40,7 @@ class ServerConfig:
     num_vbuckets: int
     owned_vbuckets: tuple[int, ...]
     log_level: str
+    flow_control_bytes: int = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,10 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         num_vbuckets=num_vbuckets,
         owned_vbuckets=_vbuckets(raw["server"]["owned_vbuckets"], num_vbuckets),
         log_level=log_level,
+        flow_control_bytes=s.integer("flow_control_bytes", 1024, 1 << 30),
     )
+    if server.flow_control_bytes < server.max_frame_bytes:
+        raise s.fail("flow_control_bytes", "must be at least max_frame_bytes")
     p = _Section(raw["pipeline"], "pipeline")
     pipeline = PipelineConfig(
         workers=p.integer("workers", 1, 256),

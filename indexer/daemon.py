@@ -168,6 +168,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             throttle,
             to_dispatch,
             server.max_frame_bytes,
+            server.flow_control_bytes,
         )
         pipeline_lock = trio.Lock()  # index changes and rollbacks, one at a time
         catalog = IndexCatalog(

@@ -25,6 +25,9 @@ _MARKER = struct.Struct(">HQQ")
 _BATCH_HEADER = struct.Struct(">HIB")
 _COUNT = struct.Struct(">I")
 _POSITION = struct.Struct(">HQQ")
+_COOKIE = struct.Struct(">Q")
+_BARRIER_REPLY_HEAD = struct.Struct(">QB")
+BARRIER_PERSISTED = 0x01
 _ERROR = struct.Struct(">H")
 
 OP_UPSERT = 1
@@ -57,6 +60,9 @@ class MessageType(IntEnum):
     MUTATIONS = 6
     ACK = 7
     ERROR = 8
+    BARRIER = 9
+    BARRIER_REPLY = 10
+    BUFFER_ACK = 11
 
 
 class ErrorCode(IntEnum):
@@ -112,13 +118,15 @@ class Handshake:
 
     `failover_logs` maps a vbucket to its failover log: (vbuuid, seqno) entries, newest first,
     each the seqno at which that branch of history starts (UPR). A router that sends none is
-    trusted never to reuse a seqno.
+    trusted never to reuse a seqno. With `flow_control` the router keeps at most the reply's
+    `flow_control_bytes` unacknowledged and the indexer sends BUFFER_ACK as it takes frames.
     """
 
     router: str
     num_vbuckets: int
     vbuckets: tuple[int, ...]
     failover_logs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    flow_control: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +140,7 @@ class HandshakeReply:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     # vbucket -> seqno it was rolled back to at this handshake (its `restart` says the same).
     rollback: dict[int, int] = field(default_factory=dict)
+    flow_control_bytes: int = 0  # the window, when the router asked for flow control
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +206,33 @@ class Ack:
 
 
 @dataclass(frozen=True, slots=True)
+class Barrier:
+    """Router -> indexer: answer `cookie` once everything sent before it is readable."""
+
+    cookie: int
+
+
+@dataclass(frozen=True, slots=True)
+class BarrierReply:
+    """Indexer -> router: every mutation sent before the barrier is in a readable snapshot.
+
+    `positions` are the seqnos the connection had sent on each of its vbuckets (an `at_plus`
+    vector for its reads); `persisted` says whether they are also in a persisted snapshot.
+    """
+
+    cookie: int
+    persisted: bool
+    positions: tuple[VbucketPosition, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BufferAck:
+    """Indexer -> router: `nbytes` more of the flow-control window are free again."""
+
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class Error:
     """Indexer -> router: why the connection is being closed."""
 
@@ -212,6 +248,9 @@ Message = (
     | SnapshotMarker
     | MutationBatch
     | Ack
+    | Barrier
+    | BarrierReply
+    | BufferAck
     | Error
 )
 
@@ -274,16 +313,27 @@ def encode(message: Message) -> bytes:
             return _frame(MessageType.STREAM_END, _VB_UUID.pack(vbucket, vbuuid))
         case Ack(positions):
             return _frame(MessageType.ACK, _positions(positions))
+        case Barrier(cookie):
+            return _frame(MessageType.BARRIER, _COOKIE.pack(cookie))
+        case BarrierReply(cookie, persisted, positions):
+            head = _BARRIER_REPLY_HEAD.pack(cookie, BARRIER_PERSISTED if persisted else 0)
+            return _frame(MessageType.BARRIER_REPLY, head + _positions(positions))
+        case BufferAck(nbytes):
+            return _frame(MessageType.BUFFER_ACK, _COOKIE.pack(nbytes))
         case Error(code, text):
             return _frame(MessageType.ERROR, _ERROR.pack(code) + text.encode())
-        case Handshake(router, num_vbuckets, vbuckets, failover_logs):
+        case Handshake(router, num_vbuckets, vbuckets, failover_logs, flow_control):
             body = {"router": router, "num_vbuckets": num_vbuckets, "vbuckets": list(vbuckets)}
+            if flow_control:
+                body["flow_control"] = True
             if failover_logs:
                 body["failover_logs"] = {
                     str(vb): [list(entry) for entry in log] for vb, log in failover_logs.items()
                 }
             return _frame(MessageType.HANDSHAKE, _json(body))
-        case HandshakeReply(indexes, num_vbuckets, owned, restart, max_frame_bytes, rollback):
+        case HandshakeReply(
+            indexes, num_vbuckets, owned, restart, max_frame_bytes, rollback, flow_control_bytes
+        ):
             body = {
                 "max_frame_bytes": max_frame_bytes,
                 "indexes": [_index_json(i) for i in indexes],
@@ -293,6 +343,8 @@ def encode(message: Message) -> bytes:
             }
             if rollback:
                 body["rollback"] = {str(vb): seqno for vb, seqno in rollback.items()}
+            if flow_control_bytes:
+                body["flow_control_bytes"] = flow_control_bytes
             return _frame(MessageType.HANDSHAKE_REPLY, _json(body))
     raise TypeError(f"not a protocol message: {message!r}")
 
@@ -383,7 +435,11 @@ def _decode_handshake(payload: bytes) -> Handshake:
     if not isinstance(router, str) or not isinstance(num, int) or isinstance(num, bool):
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "handshake needs router and num_vbuckets")
     vbuckets = _int_list(body.get("vbuckets"), "vbuckets")
-    return Handshake(router, num, vbuckets, _failover_logs(body.get("failover_logs", {}), num))
+    flow_control = body.get("flow_control", False)
+    if not isinstance(flow_control, bool):
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "flow_control must be true or false")
+    logs = _failover_logs(body.get("failover_logs", {}), num)
+    return Handshake(router, num, vbuckets, logs, flow_control)
 
 
 def _failover_logs(value: Any, num_vbuckets: int) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -444,6 +500,7 @@ def _decode_handshake_reply(payload: bytes) -> HandshakeReply:
             restart,
             int(body.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)),
             {int(vb): int(seqno) for vb, seqno in body.get("rollback", {}).items()},
+            int(body.get("flow_control_bytes", 0)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, f"bad handshake reply: {exc}") from None
@@ -469,6 +526,16 @@ def decode_payload(mtype: int, payload: bytes) -> Message:
         if len(payload) < 4:
             raise ProtocolError(ErrorCode.PROTOCOL, "ACK frame shorter than its count")
         return Ack(_decode_positions(payload))
+    if mtype == MessageType.BARRIER:
+        return Barrier(*_fixed(payload, _COOKIE, "BARRIER"))
+    if mtype == MessageType.BUFFER_ACK:
+        return BufferAck(*_fixed(payload, _COOKIE, "BUFFER_ACK"))
+    if mtype == MessageType.BARRIER_REPLY:
+        if len(payload) < _BARRIER_REPLY_HEAD.size + _COUNT.size:
+            raise ProtocolError(ErrorCode.PROTOCOL, "BARRIER_REPLY frame shorter than its head")
+        cookie, flags = _BARRIER_REPLY_HEAD.unpack_from(payload, 0)
+        positions = _decode_positions(payload[_BARRIER_REPLY_HEAD.size :])
+        return BarrierReply(cookie, bool(flags & BARRIER_PERSISTED), positions)
     if mtype == MessageType.ERROR:
         if len(payload) < 2:
             raise ProtocolError(ErrorCode.PROTOCOL, "ERROR frame shorter than its code")

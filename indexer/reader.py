@@ -20,7 +20,7 @@ import trio
 from indexer import protocol as p
 from indexer.protocol import ErrorCode, ProtocolError
 from indexer.recovery import FailoverLog, rollback_seqno
-from indexer.snapshots import SnapshotStore
+from indexer.snapshots import RolledBackError, SnapshotStore
 from slab import MemoryThrottle
 from workers.worker import StreamItem
 
@@ -226,6 +226,7 @@ class Reader:
         throttle: MemoryThrottle,
         items: trio.MemorySendChannel[list[StreamItem]],
         max_frame_bytes: int,
+        flow_control_bytes: int = 4 << 20,
     ) -> None:
         self.registry = registry
         self.indexes = tuple(indexes)
@@ -233,6 +234,7 @@ class Reader:
         self.throttle = throttle
         self.items = items
         self.max_frame_bytes = max_frame_bytes
+        self.flow_control_bytes = flow_control_bytes
         # Rolls the index back (set by the daemon): connection id, {vbucket: rollback seqno}.
         self.rollback: Callable[[int, dict[int, int]], Awaitable[None]] | None = None
         self._ids = itertools.count(1)
@@ -330,6 +332,8 @@ class Reader:
         decoder = p.FrameDecoder(self.max_frame_bytes)
         reg = self.registry
         throttle = self.throttle
+        barriers = Barriers(self.snapshots, stream, send_lock, nursery)
+        credit = 0  # bytes taken into the pipeline and not yet returned to the router
         while True:
             if throttle.paused:
                 reg.throttle_waits += 1
@@ -339,6 +343,7 @@ class Reader:
                 decoder.close()
                 log.info("router %s closed the connection", peer)
                 return
+            unread = decoder.buffered + len(data)
             decoder.feed(data)
             accepted: list[StreamItem] = []
             try:
@@ -348,6 +353,9 @@ class Reader:
                         break
                     for message in messages:
                         reg.frames += 1
+                        if type(message) is p.Barrier and conn.handshake is not None:
+                            barriers.add(message.cookie, conn)
+                            continue
                         was_new = conn.handshake is None
                         item = conn.accept(message)
                         if item is not None:
@@ -359,6 +367,15 @@ class Reader:
                 # Frames before a bad one are valid: hand them on before the error goes out.
                 if accepted:
                     await items.send(accepted)
+            # Credit goes back once frames are in the pipeline, in steps, not per frame.
+            credit += unread - decoder.buffered
+            handshake = conn.handshake
+            flow_control = handshake is not None and handshake.flow_control
+            # A router that has its whole window out has had it all taken: never a deadlock.
+            if flow_control and credit >= self.flow_control_bytes // 4:
+                async with send_lock:
+                    await stream.send_all(p.encode(p.BufferAck(credit)))
+                credit = 0
 
     async def _check_history(self, conn: Connection) -> set[int]:
         """Compare the router's failover logs with the index's; roll back if history diverged.
@@ -413,6 +430,7 @@ class Reader:
             persisted.positions(wanted),
             self.max_frame_bytes,
             {vb: persisted.seqnos[vb] for vb in sorted(rolled_back)},
+            self.flow_control_bytes if conn.handshake.flow_control else 0,
         )
         async with send_lock:
             await stream.send_all(p.encode(reply))
@@ -443,6 +461,55 @@ class Reader:
                     await stream.send_all(p.encode(p.Ack(ts.positions(sorted(moved)))))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
+
+
+class Barriers:
+    """The barriers of one connection: each answered once what preceded it is readable."""
+
+    MAX_PENDING = 1024
+
+    def __init__(
+        self,
+        snapshots: SnapshotStore,
+        stream: trio.abc.Stream,
+        send_lock: trio.Lock,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.snapshots = snapshots
+        self.stream = stream
+        self.send_lock = send_lock
+        self.nursery = nursery
+        self.pending = 0
+
+    def add(self, cookie: int, conn: Connection) -> None:
+        """Note what the connection has sent on each of its vbuckets; answer when readable."""
+        if self.pending >= self.MAX_PENDING:
+            raise ProtocolError(
+                ErrorCode.PROTOCOL, f"more than {self.MAX_PENDING} barriers waiting for an answer"
+            )
+        received = conn.registry.received
+        targets = [(vb, received[vb]) for vb in sorted(conn.vbuckets)]
+        self.pending += 1
+        self.nursery.start_soon(self._answer, cookie, targets)
+
+    async def _answer(self, cookie: int, targets: list[tuple[int, int]]) -> None:
+        try:
+            snapshot = await self.snapshots.wait_covering(targets)
+        except RolledBackError:
+            return  # the connection is being closed with ROLLBACK: routers handshake again
+        finally:
+            self.pending -= 1
+        vbuuids = snapshot.timestamp.vbuuids
+        reply = p.BarrierReply(
+            cookie,
+            self.snapshots.persisted.covers(targets),
+            tuple(p.VbucketPosition(vb, seqno, vbuuids[vb]) for vb, seqno in targets),
+        )
+        try:
+            async with self.send_lock:
+                await self.stream.send_all(p.encode(reply))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
 
 def _peer(stream: trio.abc.Stream) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -39,7 +40,43 @@ MESSAGES: list[p.Message] = [
     p.Ack((p.VbucketPosition(1, 2, 3), p.VbucketPosition(1023, 2**40, 9))),
     p.Ack(()),
     p.Error(ErrorCode.NOT_MY_SLICE, "vbucket 9 is not owned by this node — é"),
+    p.Handshake("r", 1024, (5,), {5: ((2**64 - 1, 120), (7, 0))}, flow_control=True),
+    p.HandshakeReply(
+        (p.IndexDefinition("by_age", ("age",)),),
+        1024,
+        (5,),
+        (p.VbucketPosition(5, 100, 7),),
+        65536,
+        rollback={5: 100},
+        flow_control_bytes=1 << 20,
+    ),
+    p.Barrier(2**64 - 1),
+    p.BarrierReply(9, True, (p.VbucketPosition(5, 120, 7),)),
+    p.BarrierReply(10, False, ()),
+    p.BufferAck(123456),
 ]
+
+
+@pytest.mark.parametrize(
+    ("logs", "why"),
+    [
+        ([1, 2], "JSON object"),
+        ({"x": [[1, 0]]}, "not a vbucket"),
+        ({"1024": [[1, 0]]}, "not a vbucket"),
+        ({"3": []}, "1 to 25 entries"),
+        ({"3": [[1, 0]] * 26}, "1 to 25 entries"),
+        ({"3": [[1, -1]]}, "u64"),
+        ({"3": [[1, 2**64]]}, "u64"),
+        ({"3": [[1, True]]}, "u64"),
+        ({"3": [[1, 5, 6]]}, "u64"),
+        ({"3": [[1, 0], [2, 5]]}, "newest entry first"),
+    ],
+)
+def test_bad_failover_logs_are_refused(logs: object, why: str) -> None:
+    body = json.dumps({"num_vbuckets": 1024, "vbuckets": [3], "failover_logs": logs}).encode()
+    with pytest.raises(ProtocolError, match=why) as info:
+        decode_all(struct.pack(">IBB", len(body) + 2, 1, p.MessageType.HANDSHAKE) + body)
+    assert info.value.code is ErrorCode.BAD_HANDSHAKE
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)

@@ -1,0 +1,87 @@
+"""Barriers and flow control with a real daemon over TCP."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from indexer import protocol as p
+from tests.e2e.conftest import INDEXES, model
+from tests.e2e.stream_client import VBUCKETS, Router, Source, indexes_equal_model
+
+SLOW_SNAPSHOTS = {"snapshots": {"in_memory_interval_ms": 400, "persist_interval_ms": 5000}}
+
+
+def count(daemon: Any, consistency: str = "any", **params: str) -> int:
+    answer = httpx.get(
+        daemon.url + "/indexes/by_age/count",
+        params={"consistency": consistency, **params},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    n: int = answer.json()["count"]
+    return n
+
+
+def test_a_barrier_is_answered_once_its_writes_are_readable(daemon_factory: Any) -> None:
+    daemon = daemon_factory(**SLOW_SNAPSHOTS).start()
+    source = Source(5)
+    router = Router(daemon, source)
+    expected = []
+    for round_ in range(3):
+        for vb in VBUCKETS:
+            source.write(vb, 40)
+        router.stream()
+        router.restart = {vb: source.high(vb) for vb in VBUCKETS}  # sent: go on from there
+        reply = router.barrier(round_ + 1)
+        # The answer comes once the writes are readable: a read that does not wait sees them.
+        wanted = len(model(source.surviving(), INDEXES["by_age"]))
+        expected.append(wanted)
+        assert count(daemon) == wanted
+        assert {pos.vbucket: pos.seqno for pos in reply.positions} == {
+            vb: source.high(vb) for vb in VBUCKETS
+        }
+        # The positions are the at_plus vector of this router's writes.
+        vector = json.dumps({str(pos.vbucket): pos.seqno for pos in reply.positions})
+        assert count(daemon, "at_plus", at_plus=vector, timeout="1") == wanted
+    router.wait_persisted()
+    persisted = router.barrier(99)
+    assert persisted.persisted  # everything before it was acked as persisted already
+    router.close()
+    assert expected[0] < expected[-1]
+    indexes_equal_model(daemon, source)
+
+
+def test_flow_control_keeps_the_router_within_its_window(daemon_factory: Any) -> None:
+    window = 1 << 20
+    daemon = daemon_factory(server={"flow_control_bytes": window}).start()
+    source = Source(6, docids_per_vbucket=3000)
+    for vb in VBUCKETS:
+        source.write(vb, 40_000)  # about 5 MiB of frames: five windows and more
+    router = Router(daemon, source, flow_control=True)
+    assert router.window == window
+    router.stream()
+    router.wait_persisted()
+    assert router.sent > 4 * window
+    assert router.most_in_flight <= window
+    # Credit comes back in steps of at least a quarter window, for everything taken.
+    assert router.credited >= router.sent - window // 4
+    router.close()
+    # A router that does not ask for flow control gets no window and no BUFFER_ACK.
+    plain = Router(daemon, source)
+    assert plain.window == 0 and plain.reply.flow_control_bytes == 0
+    plain.close()
+    indexes_equal_model(daemon, source)
+
+
+def test_barrier_and_buffer_ack_frames_from_a_router_are_refused(daemon_factory: Any) -> None:
+    daemon = daemon_factory().start()
+    for frame in (p.BufferAck(5), p.BarrierReply(1, True, ())):
+        router = Router(daemon, Source(7))
+        router.send(p.encode(frame))
+        error = router.next()
+        assert isinstance(error, p.Error) and error.code is p.ErrorCode.PROTOCOL, error
+        router.close()
+    assert daemon.stop() == 0
