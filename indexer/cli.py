@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -78,8 +78,11 @@ def _address(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteBatch each)
+
+
 @main.command()
-@click.option("--to", "address", required=True, help="The indexer's feed address, HOST:PORT.")
+@click.option("--to", "address", help="The indexer's feed address, HOST:PORT.")
 @click.option(
     "--jsonl",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -96,74 +99,204 @@ def _address(value: str) -> tuple[str, int]:
     show_default=True,
     help="Exit once everything sent is persisted, or at once.",
 )
-@click.option("--vbuckets", type=click.IntRange(1, 65536), default=1024, show_default=True)
+@click.option(
+    "--vbuckets",
+    type=click.IntRange(1, 65536),
+    help="Vbuckets of the key space (default 1024, or the count the --state log was made with).",
+)
+@click.option(
+    "--state",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep the source's history here: append the input, stream what the indexer lacks.",
+)
+@click.option(
+    "--failover",
+    type=int,
+    metavar="VB",
+    help="Fail vbucket VB of the --state log over (before appending and streaming).",
+)
+@click.option(
+    "--failover-seqno",
+    type=int,
+    metavar="S",
+    help="Where --failover starts the new history (default: the high seqno, losing nothing).",
+)
 def feed(
-    address: str,
+    address: str | None,
     jsonl: Path | None,
     generate: int | None,
     keys: int | None,
     delete_ratio: float,
     seed: int,
     wait: str,
-    vbuckets: int,
+    vbuckets: int | None,
+    state: Path | None,
+    failover: int | None,
+    failover_seqno: int | None,
 ) -> None:
-    """Push documents to an indexer through a router feed."""
-    from indexer.router import FeedError, Workload, read_jsonl
-    from indexer.router import feed as run_feed
-    from indexer.router import generate as generate_documents
-    from indexer.router.documents import Document, DocumentError
+    """Push documents to an indexer through a router feed.
 
-    try:
-        host, port = _address(address)
-    except click.BadParameter as exc:
-        fail(f"--to: {exc.message}", 2)
-    if (jsonl is None) == (generate is None):
-        fail("give exactly one of --jsonl FILE and --generate N", 2)
+    With --state DIR the router keeps its source on disk: --failover runs first, then the input
+    (if any) is appended, then (with --to) the log is streamed from where the indexer stands.
+    """
+    from indexer.router import Workload, read_jsonl
+    from indexer.router import generate as generate_documents
+    from indexer.router.documents import Document
+
+    if jsonl is not None and generate is not None:
+        fail("give at most one of --jsonl FILE and --generate N", 2)
+    if state is None:
+        for option, value in (("--failover", failover), ("--failover-seqno", failover_seqno)):
+            if value is not None:
+                fail(f"{option} needs --state DIR", 2)
+        if jsonl is None and generate is None:
+            fail("give exactly one of --jsonl FILE and --generate N", 2)
+        if address is None:
+            fail("give --to HOST:PORT", 2)
+    elif failover_seqno is not None and failover is None:
+        fail("--failover-seqno needs --failover VB", 2)
+    elif address is None and jsonl is None and generate is None and failover is None:
+        fail("with --state, give --to HOST:PORT, an input or --failover VB", 2)
+    target = None
+    if address is not None:
+        try:
+            target = _address(address)
+        except click.BadParameter as exc:
+            fail(f"--to: {exc.message}", 2)
     # A factory, so the feed can start over after the indexer's indexes change.
-    documents: Callable[[], Iterator[Document]]
+    documents: Callable[[], Iterator[Document]] | None = None
+    total = None
     if jsonl is not None:
         path = jsonl
         documents = lambda: read_jsonl(path)  # noqa: E731
-        total = None
-    else:
-        assert generate is not None
+    elif generate is not None:
         workload = Workload(generate, keys or 0, delete_ratio, seed)
         documents = lambda: generate_documents(workload)  # noqa: E731
         total = generate
-    bar: Any = (
-        click.progressbar(length=total, label="feeding", file=sys.stderr)
-        if sys.stderr.isatty()
-        else _NoBar()
-    )
-    with bar:
+    if state is None:
+        assert documents is not None and target is not None
+        _feed_input(target, documents, total, wait == "persisted", vbuckets or 1024)
+    else:
+        wait_persisted = wait == "persisted"
+        _feed_state(state, target, documents, wait_persisted, vbuckets, failover, failover_seqno)
 
-        async def run() -> Any:
-            return await run_feed(
-                host,
-                port,
-                documents,
-                wait_persisted=wait == "persisted",
-                progress=bar.update,
-                num_vbuckets=vbuckets,
-            )
 
-        from indexer.daemon import bulk_gc
+def _progress_bar(total: int | None, label: str) -> Any:
+    """A progress bar on a terminal when the total is known (click's needs a length)."""
+    if total is not None and sys.stderr.isatty():
+        return click.progressbar(length=total, label=label, file=sys.stderr)
+    return _NoBar()
 
-        try:
-            with bulk_gc():  # the feed allocates per document too
-                result = trio.run(run)
-        except (FeedError, DocumentError) as exc:
-            fail(str(exc))
-        except OSError as exc:
-            fail(str(exc))
-        except KeyboardInterrupt:
-            fail("interrupted", 130)
+
+def _report(result: Any) -> None:
     state = "persisted" if result.persisted else "sent"
     click.echo(
         f"{result.sent} mutations {state} over {result.vbuckets} vbuckets"
         f" ({result.skipped} already persisted, skipped)",
         err=True,
     )
+
+
+def _rolled_back(vbucket: int, seqno: int) -> None:
+    click.echo(f"vbucket {vbucket}: the indexer rolled back to seqno {seqno}", err=True)
+
+
+def _run_feed(run: Callable[[], Awaitable[Any]]) -> Any:
+    """Run a feed coroutine; its errors end the command with one line."""
+    from indexer.daemon import bulk_gc
+    from indexer.router import FeedError, SourceError
+    from indexer.router.documents import DocumentError
+
+    try:
+        with bulk_gc():  # the feed allocates per document too
+            return trio.run(run)
+    except (FeedError, DocumentError, SourceError) as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+
+
+def _feed_input(
+    target: tuple[str, int],
+    documents: Callable[[], Iterator[Any]],
+    total: int | None,
+    wait_persisted: bool,
+    vbuckets: int,
+) -> None:
+    """The feed without state: number the input's documents and stream them."""
+    from indexer.router import feed as run_feed
+
+    host, port = target
+    with _progress_bar(total, "feeding") as bar:
+
+        async def run() -> Any:
+            return await run_feed(
+                host,
+                port,
+                documents,
+                wait_persisted=wait_persisted,
+                progress=bar.update,
+                num_vbuckets=vbuckets,
+                on_rollback=_rolled_back,
+            )
+
+        result = _run_feed(run)
+    _report(result)
+
+
+def _feed_state(
+    state: Path,
+    target: tuple[str, int] | None,
+    documents: Callable[[], Iterator[Any]] | None,
+    wait_persisted: bool,
+    vbuckets: int | None,
+    failover: int | None,
+    failover_seqno: int | None,
+) -> None:
+    """The feed with a source log in `state`: fail over, append, stream (each if asked)."""
+    from itertools import islice
+
+    from indexer.router import SourceError, SourceLog, feed_log
+    from indexer.router.documents import DocumentError
+
+    try:  # only a command that adds documents creates the log
+        log = SourceLog(state, vbuckets, create=documents is not None)
+    except SourceError as exc:
+        fail(str(exc))
+    with log:
+        if failover is not None:
+            try:
+                vbuuid, seqno = log.failover(failover, failover_seqno)
+            except SourceError as exc:
+                fail(str(exc))
+            click.echo(
+                f"vbucket {failover}: failed over to seqno {seqno} (new vbuuid {vbuuid:#018x})",
+                err=True,
+            )
+        if documents is not None:
+            appended = 0
+            try:
+                source = documents()
+                while chunk := list(islice(source, APPEND_CHUNK)):
+                    appended += log.append(chunk)
+            except (DocumentError, SourceError) as exc:
+                fail(f"{exc} ({appended} documents appended before it)")
+            except OSError as exc:
+                fail(str(exc))
+            click.echo(f"appended {appended} documents to the source log in {state}", err=True)
+        if target is None:
+            return
+        host, port = target
+
+        async def run() -> Any:
+            return await feed_log(
+                host, port, log, wait_persisted=wait_persisted, on_rollback=_rolled_back
+            )
+
+        result = _run_feed(run)
+    _report(result)
 
 
 class _NoBar:

@@ -1,23 +1,29 @@
 """A router feed: streams documents to an indexer and waits for them to be persisted.
 
-`StreamEncoder` is the sans-IO part: it turns documents into frames (vbucket by CRC32 of the id,
-seqnos per vbucket in input order, index keys and partial-index conditions evaluated here so the
-daemon never parses documents). `feed` moves those frames over TCP and reads acks. Because
-seqnos follow input order, replaying the same input after a restart skips exactly what the
-indexer reported as persisted.
+The sans-IO part turns documents into frames: `RecordEncoder` evaluates index keys and
+partial-index conditions (the daemon never parses documents), `Batcher` groups records per
+vbucket into snapshots. Two encoders feed them. `StreamEncoder` numbers an input's documents per
+vbucket (CRC32 of the id) in input order, so replaying the same input after a restart skips
+exactly what the indexer reported as persisted. `LogEncoder` streams a router's source log
+(`source.py`): stored seqnos and vbuuids, with failover logs in the handshake. `feed` and
+`feed_log` move those frames over TCP and read acks.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from indexer import protocol as p
 from indexer.keys import KeyEncodingError, index_key
 from indexer.router.documents import Document, vbucket_of
+from indexer.router.source import SourceLog
 from indexer.where import WhereError, matches, parse_where
 
 BATCH_RECORDS = 512
@@ -40,33 +46,142 @@ def default_vbuuid(vbucket: int) -> int:
     return zlib.crc32(b"vbuuid:%d" % vbucket) | 1 << 32
 
 
-class StreamEncoder:
-    """Documents in, frames out (sans-IO): batches per vbucket, each after its snapshot marker."""
+class RecordEncoder:
+    """Documents in, mutation records out (pure): the index keys of a handshake reply's indexes,
+    an empty key where a partial index's condition is not TRUE or the leading field is missing.
+    """
 
-    def __init__(self, reply: p.HandshakeReply, batch_records: int = BATCH_RECORDS) -> None:
-        self.num_vbuckets = reply.num_vbuckets
-        self.paths = [index.keys for index in reply.indexes]
+    def __init__(self, indexes: Sequence[p.IndexDefinition]) -> None:
+        self.paths = [index.keys for index in indexes]
         self.nkeys = len(self.paths)
         try:
             self.wheres = [
-                None if index.where is None else parse_where(index.where) for index in reply.indexes
+                None if index.where is None else parse_where(index.where) for index in indexes
             ]
         except WhereError as exc:
             raise FeedError(f"the indexer sent a bad where: {exc}") from None
         self.partial = any(where is not None for where in self.wheres)
+
+    def keys(self, document: Document) -> tuple[bytes, ...]:
+        """The document's key in every index (b"" = not in that index)."""
+        body = document.body
+        try:
+            if body is None:
+                return (b"",) * self.nkeys
+            if self.partial:
+                # A document a partial index's condition is not TRUE for gets the empty key,
+                # which removes its entry there, like a missing leading field.
+                return tuple(
+                    index_key(body, paths) if matches(where, body) else b""
+                    for paths, where in zip(self.paths, self.wheres, strict=True)
+                )
+            return tuple(index_key(body, paths) for paths in self.paths)
+        except (KeyEncodingError, RecursionError) as exc:
+            raise FeedError(f"document {document.docid!r}: {exc}") from None
+
+    def record(self, seqno: int, document: Document, docid: bytes | None = None) -> bytes:
+        """The MUTATIONS record of `document` at `seqno` (`docid`: its id, already encoded)."""
+        docid = document.docid.encode() if docid is None else docid
+        keys = self.keys(document)
+        return p.encode_record(p.Mutation(seqno, docid, keys, document.body is None))
+
+
+class Batcher:
+    """Records of each vbucket in, frames out (pure): a batch of up to `batch_records` records
+    or `batch_bytes` bytes goes out as SNAPSHOT_MARKER(first, last) and one MUTATIONS frame,
+    after STREAM_BEGIN (with `vbuuid(vb)`) for the vbucket's first batch.
+    """
+
+    def __init__(
+        self,
+        nkeys: int,
+        batch_bytes: int,
+        vbuuid: Callable[[int], int],
+        batch_records: int = BATCH_RECORDS,
+    ) -> None:
+        self.nkeys = nkeys
+        self.batch_bytes = batch_bytes
+        self.batch_records = batch_records
+        self.vbuuid = vbuuid
+        self.pending: dict[int, list[bytes]] = {}
+        self.pending_bytes: dict[int, int] = {}
+        self.first: dict[int, int] = {}
+        self.last: dict[int, int] = {}  # per vbucket begun, the last seqno batched
+        self.begun: set[int] = set()
+
+    def add(self, vb: int, seqno: int, record: bytes, docid: str) -> list[bytes]:
+        """Frames that are ready after this record (often none); seqnos must increase."""
+        if len(record) > self.batch_bytes:
+            raise FeedError(f"document {docid!r}: its index keys exceed a frame")
+        pending = self.pending.get(vb)
+        if pending is None:
+            pending = self.pending[vb] = []
+            self.pending_bytes[vb] = 0
+            self.first[vb] = seqno
+        pending.append(record)
+        self.pending_bytes[vb] += len(record)
+        self.last[vb] = seqno
+        if len(pending) >= self.batch_records or self.pending_bytes[vb] >= self.batch_bytes:
+            return self.flush(vb)
+        return []
+
+    def flush(self, vb: int) -> list[bytes]:
+        """The frames of the vbucket's pending batch (none if nothing is pending)."""
+        records = self.pending.pop(vb, None)
+        if records is None:
+            return []
+        del self.pending_bytes[vb]
+        first = self.first.pop(vb)
+        frames = []
+        if vb not in self.begun:
+            self.begun.add(vb)
+            frames.append(p.encode(p.StreamBegin(vb, self.vbuuid(vb))))
+        frames.append(p.encode(p.SnapshotMarker(vb, first, self.last[vb])))
+        frames.append(p.encode_mutations(vb, self.nkeys, records))
+        return frames
+
+    def finish(self) -> list[bytes]:
+        """Frames of every batch still pending."""
+        frames = []
+        for vb in sorted(self.pending):
+            frames.extend(self.flush(vb))
+        return frames
+
+    def targets(self) -> dict[int, int]:
+        """Per vbucket streamed, the seqno an ack must reach for everything to be persisted."""
+        return {vb: self.last[vb] for vb in self.begun}
+
+    def ends(self) -> list[bytes]:
+        """STREAM_END of every vbucket begun."""
+        return [p.encode(p.StreamEnd(vb, self.vbuuid(vb))) for vb in sorted(self.begun)]
+
+
+def batch_bytes(reply: p.HandshakeReply) -> int:
+    """Bytes of records per batch: a whole frame stays under the indexer's maximum."""
+    return min(reply.max_frame_bytes - 64, SEND_BYTES)
+
+
+class StreamEncoder:
+    """Documents in, frames out (sans-IO): seqnos per vbucket in input order, those at or below
+    the restart position skipped, batches per vbucket each after its snapshot marker.
+    """
+
+    def __init__(self, reply: p.HandshakeReply, batch_records: int = BATCH_RECORDS) -> None:
+        self.num_vbuckets = reply.num_vbuckets
+        self.records = RecordEncoder(reply.indexes)
+        self.batches = Batcher(
+            self.records.nkeys, batch_bytes(reply), default_vbuuid, batch_records
+        )
         self.restart = [0] * reply.num_vbuckets
         for position in reply.restart:
             self.restart[position.vbucket] = position.seqno
         self.seqnos = [0] * reply.num_vbuckets
-        self.batch_records = batch_records
-        # Keep a whole frame (records, batch header, frame header) under the indexer's maximum.
-        self.batch_bytes = min(reply.max_frame_bytes - 64, SEND_BYTES)
-        self.pending: dict[int, list[bytes]] = {}
-        self.pending_bytes: dict[int, int] = {}
-        self.first: dict[int, int] = {}
-        self.begun: set[int] = set()
         self.sent = 0
         self.skipped = 0
+
+    @property
+    def begun(self) -> set[int]:
+        return self.batches.begun
 
     def add(self, document: Document) -> list[bytes]:
         """Frames that are ready after this document (often none)."""
@@ -77,58 +192,93 @@ class StreamEncoder:
         if seqno <= self.restart[vb]:
             self.skipped += 1
             return []
-        body = document.body
-        try:
-            if body is None:
-                keys: tuple[bytes, ...] = (b"",) * self.nkeys
-            elif self.partial:
-                # A document a partial index's condition is not TRUE for gets the empty key,
-                # which removes its entry there, like a missing leading field.
-                keys = tuple(
-                    index_key(body, paths) if matches(where, body) else b""
-                    for paths, where in zip(self.paths, self.wheres, strict=True)
-                )
-            else:
-                keys = tuple(index_key(body, paths) for paths in self.paths)
-        except (KeyEncodingError, RecursionError) as exc:
-            raise FeedError(f"document {document.docid!r}: {exc}") from None
-        record = p.encode_record(p.Mutation(seqno, docid, keys, body is None))
-        if len(record) > self.batch_bytes:
-            raise FeedError(f"document {document.docid!r}: its index keys exceed a frame")
-        pending = self.pending.get(vb)
-        if pending is None:
-            pending = self.pending[vb] = []
-            self.pending_bytes[vb] = 0
-            self.first[vb] = seqno
-        pending.append(record)
-        self.pending_bytes[vb] += len(record)
+        record = self.records.record(seqno, document, docid)
+        frames = self.batches.add(vb, seqno, record, document.docid)
         self.sent += 1
-        if len(pending) >= self.batch_records or self.pending_bytes[vb] >= self.batch_bytes:
-            return self._frames(vb)
-        return []
-
-    def _frames(self, vb: int) -> list[bytes]:
-        records = self.pending.pop(vb)
-        del self.pending_bytes[vb]
-        first = self.first.pop(vb)
-        frames = []
-        if vb not in self.begun:
-            self.begun.add(vb)
-            frames.append(p.encode(p.StreamBegin(vb, default_vbuuid(vb))))
-        frames.append(p.encode(p.SnapshotMarker(vb, first, self.seqnos[vb])))
-        frames.append(p.encode_mutations(vb, self.nkeys, records))
         return frames
 
     def finish(self) -> list[bytes]:
         """Frames of every batch still pending."""
-        frames = []
-        for vb in sorted(self.pending):
-            frames.extend(self._frames(vb))
-        return frames
+        return self.batches.finish()
+
+    def frames(self, documents: Iterable[Document]) -> Iterator[tuple[list[bytes], int]]:
+        """(frames ready, 1) per document, then (the pending batches, 0)."""
+        add = self.add
+        for document in documents:
+            yield add(document), 1
+        yield self.finish(), 0
 
     def targets(self) -> dict[int, int]:
         """Per vbucket streamed, the seqno an ack must reach for everything to be persisted."""
-        return {vb: self.seqnos[vb] for vb in self.begun}
+        return self.batches.targets()
+
+    def ends(self) -> list[bytes]:
+        return self.batches.ends()
+
+
+class LogEncoder:
+    """A source log's history after the restart positions in, frames out (no sockets).
+
+    Vbuckets take turns, one batch each, so the indexer's workers share the load. A restart
+    position beyond the log's high seqno means the indexer holds history this log does not
+    have (and did not roll back): an error.
+    """
+
+    def __init__(
+        self, reply: p.HandshakeReply, log: SourceLog, batch_records: int = BATCH_RECORDS
+    ) -> None:
+        self.log = log
+        self.records = RecordEncoder(reply.indexes)
+        self.batches = Batcher(self.records.nkeys, batch_bytes(reply), log.vbuuid, batch_records)
+        restart = {position.vbucket: position.seqno for position in reply.restart}
+        # Per vbucket with something to send: the last seqno taken so far, and the high seqno.
+        self.positions: dict[int, int] = {}
+        self.highs: dict[int, int] = {}
+        self.sent = 0
+        self.skipped = 0
+        for vb in log.vbuckets_with_history():
+            high = log.high_seqno(vb)
+            seqno = restart.get(vb, 0)
+            if seqno > high:
+                raise FeedError(
+                    f"vbucket {vb}: the indexer holds seqno {seqno} but the source log ends at"
+                    f" {high}: it has history this log does not (and did not roll back)"
+                )
+            self.skipped += seqno
+            if seqno < high:
+                self.positions[vb] = seqno
+                self.highs[vb] = high
+
+    @property
+    def begun(self) -> set[int]:
+        return self.batches.begun
+
+    def frames(self) -> Iterator[tuple[list[bytes], int]]:
+        """(frames, records they carry) per batch, until every vbucket is sent."""
+        while self.positions:
+            for vb in list(self.positions):
+                frames: list[bytes] = []
+                count = 0
+                with closing(self.log.read(vb, self.positions[vb])) as versions:
+                    for seqno, document in versions:
+                        record = self.records.record(seqno, document)
+                        frames = self.batches.add(vb, seqno, record, document.docid)
+                        self.positions[vb] = seqno
+                        count += 1
+                        if frames:
+                            break
+                if self.positions[vb] >= self.highs[vb] or not count:
+                    del self.positions[vb]
+                    frames += self.batches.flush(vb)
+                self.sent += count
+                yield frames, count
+
+    def targets(self) -> dict[int, int]:
+        """Per vbucket streamed, the seqno an ack must reach for everything to be persisted."""
+        return self.batches.targets()
+
+    def ends(self) -> list[bytes]:
+        return self.batches.ends()
 
 
 @dataclass(frozen=True)
@@ -139,6 +289,8 @@ class FeedSettings:
     router_name: str = "indexer-feed"
     progress: Callable[[int], None] | None = None
     num_vbuckets: int = 1024
+    # Called with (vbucket, seqno) for each vbucket the indexer says it rolled back.
+    on_rollback: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,19 +309,20 @@ class _Peer:
         self.decoder = p.FrameDecoder(64 << 20)
         self.acked: dict[int, int] = {}
         self.changed = trio.Event()
+        # Decoded and not yet taken, in arrival order: a later ACK must not be undone by an
+        # earlier one that came in the same receive.
+        self.queue: deque[p.Message] = deque()
 
     async def next_message(self) -> p.Message:
         while True:
+            if self.queue:
+                return self.queue.popleft()
             try:
-                messages = self.decoder.messages()
+                self.queue.extend(self.decoder.messages())
             except p.ProtocolError as exc:
                 raise FeedError(f"the indexer sent a bad frame: {exc.message}") from None
-            if messages:
-                # Replies come one at a time during the handshake; later, acks are handled below.
-                first, rest = messages[0], messages[1:]
-                for message in rest:
-                    self._handle(message)
-                return first
+            if self.queue:
+                continue
             data = await self.stream.receive_some(1 << 16)
             if not data:
                 raise FeedError("the indexer closed the connection")
@@ -192,6 +345,25 @@ class _Peer:
             self._handle(await self.next_message())
 
 
+# Errors after which the feed handshakes again and resumes from the new restart positions.
+RECONNECT_CODES = frozenset({p.ErrorCode.INDEXES_CHANGED, p.ErrorCode.ROLLBACK})
+
+
+class _Encoder(Protocol):
+    """What the connection needs of an encoder once its frames are out."""
+
+    sent: int
+    skipped: int
+
+    def targets(self) -> dict[int, int]: ...
+
+    def ends(self) -> list[bytes]: ...
+
+
+# A handshake reply in, the encoder and its (frames, documents consumed) chunks out.
+_Start = Callable[[p.HandshakeReply], tuple[_Encoder, Iterator[tuple[list[bytes], int]]]]
+
+
 async def feed(
     host: str,
     port: int,
@@ -201,27 +373,71 @@ async def feed(
     router_name: str = "indexer-feed",
     progress: Callable[[int], None] | None = None,
     num_vbuckets: int = 1024,
+    on_rollback: Callable[[int, int], None] | None = None,
 ) -> FeedResult:
     """Stream `documents` to the indexer at host:port; with `wait_persisted`, return only once
     an ack says everything sent is in a persisted snapshot.
 
     Given a callable that makes the documents afresh, the feed reconnects when the indexer's
-    indexes change (INDEXES_CHANGED): it handshakes again, learns the new index keys, and
-    resumes from the restart timestamp.
+    indexes change (INDEXES_CHANGED) or it rolls back (ROLLBACK): it handshakes again, learns
+    the new index keys, and resumes from the restart timestamp.
     """
-    settings = FeedSettings(wait_persisted, router_name, progress, num_vbuckets)
+    settings = FeedSettings(wait_persisted, router_name, progress, num_vbuckets, on_rollback)
+    n = num_vbuckets
+    # Ask for every vbucket; the reply says which this node owns and where each resumes.
+    handshake = p.Handshake(router_name, n, tuple(range(n)))
     for _ in range(MAX_RECONNECTS):
         source = documents() if callable(documents) else documents
+
+        def start(
+            reply: p.HandshakeReply, source: Iterable[Document] = source
+        ) -> tuple[_Encoder, Iterator[tuple[list[bytes], int]]]:
+            encoder = StreamEncoder(reply)
+            return encoder, encoder.frames(source)
+
         try:
-            return await _feed_once(host, port, source, settings)
+            return await _feed_once(host, port, handshake, start, settings)
         except FeedError as exc:
-            if exc.code is not p.ErrorCode.INDEXES_CHANGED or not callable(documents):
+            if exc.code not in RECONNECT_CODES or not callable(documents):
                 raise
-    raise FeedError(f"the indexer changed its indexes {MAX_RECONNECTS} times during the feed")
+    raise FeedError(f"the indexer asked to handshake again {MAX_RECONNECTS} times in one feed")
+
+
+async def feed_log(
+    host: str,
+    port: int,
+    log: SourceLog,
+    *,
+    wait_persisted: bool = True,
+    router_name: str = "indexer-feed",
+    progress: Callable[[int], None] | None = None,
+    on_rollback: Callable[[int, int], None] | None = None,
+) -> FeedResult:
+    """Stream what the indexer at host:port lacks of `log`: the handshake carries the failover
+    log of every vbucket with history, each stream begins with the current vbuuid and resumes
+    after the restart seqno. Reconnects on INDEXES_CHANGED and ROLLBACK.
+    """
+    n = log.num_vbuckets
+    settings = FeedSettings(wait_persisted, router_name, progress, n, on_rollback)
+
+    def start(reply: p.HandshakeReply) -> tuple[_Encoder, Iterator[tuple[list[bytes], int]]]:
+        encoder = LogEncoder(reply, log)
+        return encoder, encoder.frames()
+
+    for _ in range(MAX_RECONNECTS):
+        vbuckets = log.vbuckets_with_history()
+        logs = {vb: log.failover_log(vb) for vb in vbuckets}
+        handshake = p.Handshake(router_name, n, tuple(vbuckets), logs)
+        try:
+            return await _feed_once(host, port, handshake, start, settings)
+        except FeedError as exc:
+            if exc.code not in RECONNECT_CODES:
+                raise
+    raise FeedError(f"the indexer asked to handshake again {MAX_RECONNECTS} times in one feed")
 
 
 async def _feed_once(
-    host: str, port: int, documents: Iterable[Document], settings: FeedSettings
+    host: str, port: int, handshake: p.Handshake, start: _Start, settings: FeedSettings
 ) -> FeedResult:
     try:
         stream = await trio.open_tcp_stream(host, port)
@@ -231,7 +447,7 @@ async def _feed_once(
         peer = _Peer(stream)
         try:
             try:
-                return await _run(stream, peer, documents, settings)
+                return await _run(stream, peer, handshake, start, settings)
             except BaseExceptionGroup as group:
                 raise _leaf(group) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as exc:
@@ -264,11 +480,12 @@ def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 async def _run(
-    stream: trio.SocketStream, peer: _Peer, documents: Iterable[Document], settings: FeedSettings
+    stream: trio.SocketStream,
+    peer: _Peer,
+    handshake: p.Handshake,
+    start: _Start,
+    settings: FeedSettings,
 ) -> FeedResult:
-    # Ask for every vbucket; the reply says which this node owns and where each resumes.
-    n = settings.num_vbuckets
-    handshake = p.Handshake(settings.router_name, n, tuple(range(n)))
     progress = settings.progress
     await stream.send_all(p.encode(handshake))
     reply = await peer.next_message()
@@ -276,15 +493,17 @@ async def _run(
         peer._handle(reply)
     if not isinstance(reply, p.HandshakeReply):
         raise FeedError(f"expected a handshake reply, got {type(reply).__name__}")
-    encoder = StreamEncoder(reply)
+    if settings.on_rollback is not None:
+        for vb, seqno in sorted(reply.rollback.items()):
+            settings.on_rollback(vb, seqno)
+    encoder, chunks = start(reply)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peer.read_acks)
         out: list[bytes] = []
         size = 0
         count = 0
-        for document in documents:
-            count += 1
-            frames = encoder.add(document)
+        for frames, consumed in chunks:
+            count += consumed
             if frames:
                 out.extend(frames)
                 size += sum(len(f) for f in frames)
@@ -295,7 +514,6 @@ async def _run(
                     if progress is not None:
                         progress(count)
                         count = 0
-        out.extend(encoder.finish())
         if out:
             await stream.send_all(b"".join(out))
         if progress is not None and count:
@@ -306,7 +524,7 @@ async def _run(
             while any(peer.acked.get(vb, 0) < seqno for vb, seqno in targets.items()):
                 await peer.changed.wait()
             persisted = True
-        ends = [p.encode(p.StreamEnd(vb, default_vbuuid(vb))) for vb in sorted(encoder.begun)]
+        ends = encoder.ends()
         if ends:
             await stream.send_all(b"".join(ends))
         nursery.cancel_scope.cancel()

@@ -1,0 +1,284 @@
+"""The router's source: every version of every document, by vbucket and seqno, on disk.
+
+One LevelDB database in the router's state directory (`STATE_DIR`):
+
+    b"s" + vbucket (u16) + seqno (u64)  -> {"id": .., "doc": {..}} or {"id": .., "deleted": true}
+    b"v" + vbucket (u16)                -> {"high": seqno, "failover": [[vbuuid, seqno], ...]}
+    b"\\x00meta:num_vbuckets"            -> the number of vbuckets, fixed at creation
+
+A vbucket's failover log lists the branches of its history, newest first: (vbuuid, the seqno
+where the branch starts), as a UPR producer keeps it. Its first use creates (random vbuuid, 0).
+`failover` cuts the history back to a seqno and starts a new branch there, so the seqnos after
+it are reused by different mutations: a consumer that holds them must roll back.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import struct
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import plyvel
+
+from indexer.protocol import MAX_FAILOVER_ENTRIES
+from indexer.router.documents import Document, vbucket_of
+
+STATE_DIR = "source"
+DEFAULT_NUM_VBUCKETS = 1024
+_META_VBUCKETS = b"\x00meta:num_vbuckets"
+_RECORD = b"s"
+_VBUCKET = b"v"
+_VB = struct.Struct(">H")
+_KEY = struct.Struct(">HQ")
+_MAX_SEQNO = (1 << 64) - 1
+
+FailoverLog = tuple[tuple[int, int], ...]
+"""(vbuuid, seqno) entries of one vbucket, newest first."""
+
+
+class SourceError(Exception):
+    """The source log cannot be opened or changed as asked; the message says why in one line."""
+
+
+class SourceLockedError(SourceError):
+    """Another process (another feed) holds the source log."""
+
+
+def record_key(vbucket: int, seqno: int) -> bytes:
+    """The key of one version of a document."""
+    return _RECORD + _KEY.pack(vbucket, seqno)
+
+
+def encode_document(document: Document) -> bytes:
+    """A document as compact JSON, in the JSONL input's shape."""
+    item: dict[str, Any] = (
+        {"id": document.docid, "deleted": True}
+        if document.body is None
+        else {"id": document.docid, "doc": document.body}
+    )
+    return json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def decode_document(value: bytes) -> Document:
+    item = json.loads(value)
+    return Document(item["id"], None if item.get("deleted") else item["doc"])
+
+
+@dataclass
+class _Vbucket:
+    """What the log knows of one vbucket: its high seqno and failover log (newest first)."""
+
+    high: int
+    failover: list[tuple[int, int]] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        body = {"high": self.high, "failover": [list(entry) for entry in self.failover]}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> _Vbucket:
+        body = json.loads(value)
+        return cls(int(body["high"]), [(int(u), int(s)) for u, s in body["failover"]])
+
+
+def _open(path: Path, create: bool) -> Any:
+    try:
+        return plyvel.DB(str(path), create_if_missing=create)
+    except plyvel.IOError as exc:
+        if "lock" in str(exc).lower():
+            raise SourceLockedError(
+                f"the source log in {path} is held by another process (another feed?)"
+            ) from None
+        raise SourceError(f"cannot open the source log in {path}: {exc}") from None
+    except plyvel.Error as exc:
+        raise SourceError(f"cannot open the source log in {path}: {exc}") from None
+
+
+class SourceLog:
+    """The by-seqno history of a router's documents, with a failover log per vbucket.
+
+    `num_vbuckets` is fixed when the log is created; None on reopening takes the stored count.
+    With `create=False` a state directory without a log is an error.
+    """
+
+    def __init__(
+        self, state_dir: Path, num_vbuckets: int | None = None, create: bool = True
+    ) -> None:
+        path = state_dir / STATE_DIR
+        if not path.is_dir():
+            if not create:
+                raise SourceError(f"no source log in {state_dir}")
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise SourceError(f"cannot create {path}: {exc.strerror}") from None
+        self.path = path
+        self.db = _open(path, create)
+        try:
+            self.num_vbuckets = self._check_vbuckets(num_vbuckets)
+            self._vbuckets = self._load_vbuckets()
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _check_vbuckets(self, wanted: int | None) -> int:
+        stored = self.db.get(_META_VBUCKETS)
+        if stored is None:
+            count = DEFAULT_NUM_VBUCKETS if wanted is None else wanted
+            if not 1 <= count <= 1 << 16:
+                raise SourceError(f"{count} vbuckets: the count must be in 1..65536")
+            self.db.put(_META_VBUCKETS, str(count).encode(), sync=True)
+            return count
+        try:
+            count = int(stored)
+        except ValueError:
+            raise SourceError(f"the source log in {self.path} is corrupt (vbucket count)") from None
+        if wanted is not None and wanted != count:
+            raise SourceError(f"the source log in {self.path} has {count} vbuckets, not {wanted}")
+        return count
+
+    def _load_vbuckets(self) -> dict[int, _Vbucket]:
+        out = {}
+        try:
+            for key, value in self.db.iterator(prefix=_VBUCKET):
+                (vb,) = _VB.unpack(key[1:])
+                out[vb] = _Vbucket.decode(value)
+        except (ValueError, KeyError, TypeError, struct.error):
+            raise SourceError(
+                f"the source log in {self.path} is corrupt (vbucket states)"
+            ) from None
+        return out
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> SourceLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------
+    # Reading
+
+    def vbuckets_with_history(self) -> list[int]:
+        """The vbuckets in use (appended to at least once), ascending."""
+        return sorted(self._vbuckets)
+
+    def high_seqno(self, vbucket: int) -> int:
+        """The seqno of the vbucket's latest surviving version; 0 if none."""
+        state = self._vbuckets.get(vbucket)
+        return 0 if state is None else state.high
+
+    def failover_log(self, vbucket: int) -> FailoverLog:
+        """(vbuuid, seqno) entries, newest first; empty for a vbucket never used."""
+        state = self._vbuckets.get(vbucket)
+        return () if state is None else tuple(state.failover)
+
+    def vbuuid(self, vbucket: int) -> int:
+        """The vbuuid of the vbucket's current history (its newest failover entry)."""
+        state = self._vbuckets.get(vbucket)
+        if state is None:
+            raise SourceError(f"vbucket {vbucket} has no history")
+        return state.failover[0][0]
+
+    def read(self, vbucket: int, after: int = 0) -> Generator[tuple[int, Document], None, None]:
+        """(seqno, document) of the vbucket's versions with seqnos above `after`, in order."""
+        if after >= self.high_seqno(vbucket):
+            return
+        with self.db.iterator(
+            start=record_key(vbucket, after + 1),
+            stop=record_key(vbucket, _MAX_SEQNO),
+            include_stop=True,
+        ) as records:
+            for key, value in records:
+                yield _KEY.unpack_from(key, 1)[1], decode_document(value)
+
+    def surviving_documents(self) -> dict[str, Document]:
+        """The latest surviving version of each document id (deletes included)."""
+        out: dict[str, Document] = {}
+        for value in self.db.iterator(prefix=_RECORD, include_key=False):
+            document = decode_document(value)
+            out[document.docid] = document
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    # Changing
+
+    def _state(self, vbucket: int) -> _Vbucket:
+        state = self._vbuckets.get(vbucket)
+        if state is None:
+            state = _Vbucket(0, [(self._new_vbuuid(()), 0)])
+        return state
+
+    @staticmethod
+    def _new_vbuuid(taken: Iterable[tuple[int, int]]) -> int:
+        used = {vbuuid for vbuuid, _ in taken}
+        while True:
+            vbuuid = secrets.randbits(64)
+            if vbuuid and vbuuid not in used:
+                return vbuuid
+
+    def append(self, documents: Iterable[Document]) -> int:
+        """Give each document the next seqno of its vbucket and store it; one synced batch.
+
+        Returns how many documents were appended.
+        """
+        changed: dict[int, _Vbucket] = {}
+        count = 0
+        n = self.num_vbuckets
+        # transaction: a document source failing half way (a bad input line) writes nothing.
+        with self.db.write_batch(transaction=True, sync=True) as batch:
+            for document in documents:
+                vb = vbucket_of(document.docid.encode(), n)
+                state = changed.get(vb)
+                if state is None:
+                    state = changed[vb] = self._copy(self._state(vb))
+                state.high += 1
+                batch.put(record_key(vb, state.high), encode_document(document))
+                count += 1
+            for vb, state in changed.items():
+                batch.put(_VBUCKET + _VB.pack(vb), state.encode())
+        self._vbuckets.update(changed)
+        return count
+
+    @staticmethod
+    def _copy(state: _Vbucket) -> _Vbucket:
+        return _Vbucket(state.high, list(state.failover))
+
+    def failover(self, vbucket: int, to_seqno: int | None = None) -> tuple[int, int]:
+        """Start a new branch of the vbucket's history at `to_seqno` (default: the high seqno,
+        a clean failover that loses nothing); returns (new vbuuid, seqno).
+
+        Versions above `to_seqno` are deleted, failover entries starting above it dropped, and
+        (fresh vbuuid, to_seqno) put first; at most `MAX_FAILOVER_ENTRIES` are kept.
+        """
+        if not 0 <= vbucket < self.num_vbuckets:
+            raise SourceError(f"vbucket {vbucket} is not in 0..{self.num_vbuckets - 1}")
+        state = self._vbuckets.get(vbucket)
+        if state is None:
+            raise SourceError(f"vbucket {vbucket} has no history to fail over")
+        seqno = state.high if to_seqno is None else to_seqno
+        if not 0 <= seqno <= state.high:
+            raise SourceError(
+                f"vbucket {vbucket}: seqno {seqno} is not in 0..{state.high} (its high seqno)"
+            )
+        kept = [entry for entry in state.failover if entry[1] <= seqno]
+        vbuuid = self._new_vbuuid(state.failover)
+        new = _Vbucket(seqno, [(vbuuid, seqno), *kept][:MAX_FAILOVER_ENTRIES])
+        with self.db.write_batch(transaction=True, sync=True) as batch:
+            if seqno < state.high:
+                for key in self.db.iterator(
+                    start=record_key(vbucket, seqno + 1),
+                    stop=record_key(vbucket, _MAX_SEQNO),
+                    include_stop=True,
+                    include_value=False,
+                ):
+                    batch.delete(key)
+            batch.put(_VBUCKET + _VB.pack(vbucket), new.encode())
+        self._vbuckets[vbucket] = new
+        return vbuuid, seqno
