@@ -88,13 +88,17 @@ class UndoLog:
     enabled: bool = True
     writer: int = 0
     touched: set[bytes] = field(default_factory=set)
+    # Keys written per tag, shared by the writers: pruning deletes them without a walk.
+    written: dict[int, list[bytes]] = field(default_factory=dict)
     _seen_tag: int = -1
     # Unique across restarts too: records of an older run with this tag may still be stored.
     _sequence: Iterator[int] = field(default_factory=lambda: itertools.count(time.time_ns()))
 
     def key(self) -> bytes:
         """The store key of this flush's undo value."""
-        return UNDO_PREFIX + _TAG.pack(self.tag) + _BLOB_ID.pack(self.writer, next(self._sequence))
+        key = UNDO_PREFIX + _TAG.pack(self.tag) + _BLOB_ID.pack(self.writer, next(self._sequence))
+        self.written.setdefault(self.tag, []).append(key)
+        return key
 
     def restart(self) -> None:
         self._seen_tag = -1
@@ -114,11 +118,17 @@ class RecoveryPoints:
     tag: int
     enabled: bool = True
     logs: list[UndoLog] = field(default_factory=list)
+    written: dict[int, list[bytes]] = field(default_factory=dict)
 
     def log(self) -> UndoLog:
-        undo = UndoLog(self.tag, self.enabled, len(self.logs))
+        undo = UndoLog(self.tag, self.enabled, len(self.logs), written=self.written)
         self.logs.append(undo)
         return undo
+
+    def take_below(self, tag: int) -> list[bytes]:
+        """Forget and return the keys this process wrote under tags below `tag`."""
+        old = [t for t in self.written if t < tag]
+        return [key for t in old for key in self.written.pop(t)]
 
     def advance(self, tag: int) -> None:
         """Undo records are tagged `tag` from now on; every document's first change counts anew."""
@@ -186,7 +196,12 @@ def _revert(
 
 
 def prune(store: IndexStore, below: int) -> int:
-    """Delete the undo records of tags below `below`: no kept recovery point needs them."""
+    """Delete the undo records of tags below `below`: no kept recovery point needs them.
+
+    A walk over the records: at start-up, or for records an earlier run wrote. While the daemon
+    runs, `RecoveryPoints.take_below` gives the keys to delete without walking (a walk in a
+    thread beside the busy event loop waits for the GIL at every step).
+    """
     stop = UNDO_PREFIX + _TAG.pack(below)
     deleted = 0
     while keys := list(

@@ -22,7 +22,7 @@ import trio
 
 from indexer.protocol import ErrorCode
 from indexer.reader import Reader, StreamRegistry
-from indexer.recovery import clear, restore
+from indexer.recovery import clear, prune, restore
 from indexer.snapshots import (
     PersistedState,
     RecoveryPoint,
@@ -68,7 +68,11 @@ def recover_store(
     data_dir: Path,
     state: PersistedState,
 ) -> int:
-    """Undo what the store holds beyond the persisted snapshot (blocking; also at start-up)."""
+    """Undo what the store holds beyond the persisted snapshot (blocking; also at start-up).
+
+    Also drops the undo records no kept recovery point needs (an earlier run may have stopped
+    before pruning them).
+    """
     if state.cleared:
         clear(store, indexes)
         write_snapshot_file(
@@ -76,7 +80,9 @@ def recover_store(
             PersistedState(state.current, state.older, state.failover_logs, cleared=False),
         )
         return -1
-    return restore(store, indexes, state.current.point)
+    reverted = restore(store, indexes, state.current.point)
+    prune(store, state.points[-1].point)
+    return reverted
 
 
 class Rollback:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from indexer.recovery import FailoverLog, RecoveryPoints, prune
+from indexer.recovery import FailoverLog, RecoveryPoints
 from indexer.snapshots import (
     PersistedState,
     RecoveryPoint,
@@ -258,9 +258,9 @@ class Timekeeper:
                 self.snapshots.record_persisted(stable, lag)
             finally:
                 stable.release()
-        oldest = new_state.points[-1].point
-        if recovery.points.enabled:
-            await trio.to_thread.run_sync(prune, self.store, oldest)
+        stale = recovery.points.take_below(new_state.points[-1].point)
+        if stale:
+            await trio.to_thread.run_sync(self.store.write, (), stale)
         log.info(
             "snapshot persisted: seqnos summing to %d, lag %.0f ms, sync %.0f ms",
             ts.total,
