@@ -6,6 +6,7 @@ Every error ends the command with a non-zero exit and one line on stderr saying 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -94,10 +95,11 @@ APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteB
 @click.option("--seed", type=int, default=42, show_default=True)
 @click.option(
     "--wait",
-    type=click.Choice(["persisted", "none"]),
+    type=click.Choice(["persisted", "visible", "none"]),
     default="persisted",
     show_default=True,
-    help="Exit once everything sent is persisted, or at once.",
+    help="Exit once everything sent is persisted, once it is readable (a barrier; prints the "
+    "at_plus vector of this feed on stdout), or at once.",
 )
 @click.option(
     "--vbuckets",
@@ -175,10 +177,9 @@ def feed(
         total = generate
     if state is None:
         assert documents is not None and target is not None
-        _feed_input(target, documents, total, wait == "persisted", vbuckets or 1024)
+        _feed_input(target, documents, total, wait, vbuckets or 1024)
     else:
-        wait_persisted = wait == "persisted"
-        _feed_state(state, target, documents, wait_persisted, vbuckets, failover, failover_seqno)
+        _feed_state(state, target, documents, wait, vbuckets, failover, failover_seqno)
 
 
 def _progress_bar(total: int | None, label: str) -> Any:
@@ -189,12 +190,16 @@ def _progress_bar(total: int | None, label: str) -> Any:
 
 
 def _report(result: Any) -> None:
-    state = "persisted" if result.persisted else "sent"
+    state = "persisted" if result.persisted else "visible" if result.visible_at else "sent"
     click.echo(
         f"{result.sent} mutations {state} over {result.vbuckets} vbuckets"
         f" ({result.skipped} already persisted, skipped)",
         err=True,
     )
+    if result.visible_at is not None:
+        # Session consistency: scans with this at_plus see everything this feed sent.
+        vector = {str(vb): seqno for vb, seqno in sorted(result.visible_at.items()) if seqno}
+        click.echo(json.dumps({"at_plus": vector}))
 
 
 def _rolled_back(vbucket: int, seqno: int) -> None:
@@ -222,7 +227,7 @@ def _feed_input(
     target: tuple[str, int],
     documents: Callable[[], Iterator[Any]],
     total: int | None,
-    wait_persisted: bool,
+    wait: str,
     vbuckets: int,
 ) -> None:
     """The feed without state: number the input's documents and stream them."""
@@ -236,7 +241,8 @@ def _feed_input(
                 host,
                 port,
                 documents,
-                wait_persisted=wait_persisted,
+                wait_persisted=wait == "persisted",
+                wait_visible=wait == "visible",
                 progress=bar.update,
                 num_vbuckets=vbuckets,
                 on_rollback=_rolled_back,
@@ -250,7 +256,7 @@ def _feed_state(
     state: Path,
     target: tuple[str, int] | None,
     documents: Callable[[], Iterator[Any]] | None,
-    wait_persisted: bool,
+    wait: str,
     vbuckets: int | None,
     failover: int | None,
     failover_seqno: int | None,
@@ -292,7 +298,12 @@ def _feed_state(
 
         async def run() -> Any:
             return await feed_log(
-                host, port, log, wait_persisted=wait_persisted, on_rollback=_rolled_back
+                host,
+                port,
+                log,
+                wait_persisted=wait == "persisted",
+                wait_visible=wait == "visible",
+                on_rollback=_rolled_back,
             )
 
         result = _run_feed(run)
@@ -402,6 +413,12 @@ def list_indexes(url: str | None, config_file: Path | None) -> None:
 @click.option(
     "--consistency", type=click.Choice(["any", "request_plus"]), default="any", show_default=True
 )
+@click.option(
+    "--at-plus",
+    "at_plus",
+    help='JSON: wait for a snapshot covering {"vbucket": seqno, ...}, or the line '
+    "`indexer feed --wait visible` prints (session consistency).",
+)
 @click.option("--limit", type=click.IntRange(0))
 @click.option("--timeout", type=click.FloatRange(0), default=120, show_default=True)
 def scan(
@@ -413,6 +430,7 @@ def scan(
     high: str | None,
     inclusion: str,
     consistency: str,
+    at_plus: str | None,
     limit: int | None,
     timeout: float,
 ) -> None:
@@ -435,6 +453,15 @@ def scan(
             except ValueError:
                 fail(f"--{key}: not JSON: {value}", 2)
             params[key] = value
+    if at_plus is not None:
+        try:
+            vector = json.loads(at_plus)
+        except ValueError:
+            fail(f"--at-plus: not JSON: {at_plus}", 2)
+        if isinstance(vector, dict) and set(vector) == {"at_plus"}:
+            vector = vector["at_plus"]
+        params["consistency"] = "at_plus"
+        params["at_plus"] = json.dumps(vector)
     if limit is not None:
         params["limit"] = limit
     base = _http_url(url, config_file)

@@ -371,8 +371,13 @@ class Reader:
             credit += unread - decoder.buffered
             handshake = conn.handshake
             flow_control = handshake is not None and handshake.flow_control
-            # A router that has its whole window out has had it all taken: never a deadlock.
-            if flow_control and credit >= self.flow_control_bytes // 4:
+            # Credit in quarter-window steps, and at once while a frame is incomplete: the
+            # router may be holding its rest back for want of window.
+            if (
+                flow_control
+                and credit
+                and (credit >= self.flow_control_bytes // 4 or decoder.buffered)
+            ):
                 async with send_lock:
                     await stream.send_all(p.encode(p.BufferAck(credit)))
                 credit = 0

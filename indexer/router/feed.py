@@ -11,6 +11,7 @@ exactly what the indexer reported as persisted. `LogEncoder` streams a router's 
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -291,6 +292,10 @@ class FeedSettings:
     num_vbuckets: int = 1024
     # Called with (vbucket, seqno) for each vbucket the indexer says it rolled back.
     on_rollback: Callable[[int, int], None] | None = None
+    # Wait, with a barrier, until everything sent is readable (session consistency).
+    wait_visible: bool = False
+    # Ask for flow control: keep within the indexer's window of unacknowledged bytes.
+    flow_control: bool = True
 
 
 @dataclass(frozen=True)
@@ -299,6 +304,8 @@ class FeedResult:
     skipped: int
     vbuckets: int
     persisted: bool
+    # With wait_visible: per vbucket, the seqno a scan's at_plus must reach to see this feed.
+    visible_at: dict[int, int] | None = None
 
 
 class _Peer:
@@ -312,6 +319,27 @@ class _Peer:
         # Decoded and not yet taken, in arrival order: a later ACK must not be undone by an
         # earlier one that came in the same receive.
         self.queue: deque[p.Message] = deque()
+        self.window = 0  # flow control: 0 off, else bytes that may be out uncredited
+        self.sent = 0
+        self.credited = 0
+        self.barriers: dict[int, p.BarrierReply] = {}
+
+    async def send(self, data: bytes) -> None:
+        """Send, keeping within the flow-control window: as much as it has room for, then wait.
+
+        Sending what fits (not whole chunks) keeps the stream live: the indexer credits every
+        complete frame it has, and a frame is never larger than the window.
+        """
+        view = memoryview(data)
+        while view:
+            piece = view
+            if self.window:
+                while (room := self.window - (self.sent - self.credited)) <= 0:
+                    await self.changed.wait()
+                piece = view[:room]
+            await self.stream.send_all(piece)
+            self.sent += len(piece)
+            view = view[len(piece) :]
 
     async def next_message(self) -> p.Message:
         while True:
@@ -337,8 +365,14 @@ class _Peer:
         if isinstance(message, p.Ack):
             for position in message.positions:
                 self.acked[position.vbucket] = position.seqno
-            self.changed.set()
-            self.changed = trio.Event()
+        elif isinstance(message, p.BufferAck):
+            self.credited += message.nbytes
+        elif isinstance(message, p.BarrierReply):
+            self.barriers[message.cookie] = message
+        else:
+            return
+        self.changed.set()
+        self.changed = trio.Event()
 
     async def read_acks(self) -> None:
         while True:
@@ -374,15 +408,20 @@ async def feed(
     progress: Callable[[int], None] | None = None,
     num_vbuckets: int = 1024,
     on_rollback: Callable[[int, int], None] | None = None,
+    wait_visible: bool = False,
+    flow_control: bool = True,
 ) -> FeedResult:
     """Stream `documents` to the indexer at host:port; with `wait_persisted`, return only once
-    an ack says everything sent is in a persisted snapshot.
+    an ack says everything sent is in a persisted snapshot; with `wait_visible`, once a barrier
+    says it is readable (the result's `visible_at` is the at_plus vector of this feed).
 
     Given a callable that makes the documents afresh, the feed reconnects when the indexer's
     indexes change (INDEXES_CHANGED) or it rolls back (ROLLBACK): it handshakes again, learns
     the new index keys, and resumes from the restart timestamp.
     """
-    settings = FeedSettings(wait_persisted, router_name, progress, num_vbuckets, on_rollback)
+    settings = FeedSettings(
+        wait_persisted, router_name, progress, num_vbuckets, on_rollback, wait_visible, flow_control
+    )
     n = num_vbuckets
     # Ask for every vbucket; the reply says which this node owns and where each resumes.
     handshake = p.Handshake(router_name, n, tuple(range(n)))
@@ -412,13 +451,17 @@ async def feed_log(
     router_name: str = "indexer-feed",
     progress: Callable[[int], None] | None = None,
     on_rollback: Callable[[int, int], None] | None = None,
+    wait_visible: bool = False,
+    flow_control: bool = True,
 ) -> FeedResult:
     """Stream what the indexer at host:port lacks of `log`: the handshake carries the failover
     log of every vbucket with history, each stream begins with the current vbuuid and resumes
     after the restart seqno. Reconnects on INDEXES_CHANGED and ROLLBACK.
     """
     n = log.num_vbuckets
-    settings = FeedSettings(wait_persisted, router_name, progress, n, on_rollback)
+    settings = FeedSettings(
+        wait_persisted, router_name, progress, n, on_rollback, wait_visible, flow_control
+    )
 
     def start(reply: p.HandshakeReply) -> tuple[_Encoder, Iterator[tuple[list[bytes], int]]]:
         encoder = LogEncoder(reply, log)
@@ -487,7 +530,8 @@ async def _run(
     settings: FeedSettings,
 ) -> FeedResult:
     progress = settings.progress
-    await stream.send_all(p.encode(handshake))
+    handshake = dataclasses.replace(handshake, flow_control=settings.flow_control)
+    await peer.send(p.encode(handshake))  # the window counts the handshake too
     reply = await peer.next_message()
     if isinstance(reply, p.Error):
         peer._handle(reply)
@@ -496,6 +540,7 @@ async def _run(
     if settings.on_rollback is not None:
         for vb, seqno in sorted(reply.rollback.items()):
             settings.on_rollback(vb, seqno)
+    peer.window = reply.flow_control_bytes
     encoder, chunks = start(reply)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peer.read_acks)
@@ -508,17 +553,23 @@ async def _run(
                 out.extend(frames)
                 size += sum(len(f) for f in frames)
                 if size >= SEND_BYTES:
-                    await stream.send_all(b"".join(out))
+                    await peer.send(b"".join(out))
                     out.clear()
                     size = 0
                     if progress is not None:
                         progress(count)
                         count = 0
         if out:
-            await stream.send_all(b"".join(out))
+            await peer.send(b"".join(out))
         if progress is not None and count:
             progress(count)
         targets = encoder.targets()
+        visible_at = None
+        if settings.wait_visible:
+            await peer.send(p.encode(p.Barrier(1)))
+            while 1 not in peer.barriers:
+                await peer.changed.wait()
+            visible_at = {pos.vbucket: pos.seqno for pos in peer.barriers[1].positions}
         persisted = False
         if settings.wait_persisted:
             while any(peer.acked.get(vb, 0) < seqno for vb, seqno in targets.items()):
@@ -526,6 +577,6 @@ async def _run(
             persisted = True
         ends = encoder.ends()
         if ends:
-            await stream.send_all(b"".join(ends))
+            await peer.send(b"".join(ends))
         nursery.cancel_scope.cancel()
-    return FeedResult(encoder.sent, encoder.skipped, len(targets), persisted)
+    return FeedResult(encoder.sent, encoder.skipped, len(targets), persisted, visible_at)

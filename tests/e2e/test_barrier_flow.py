@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any
 
 import httpx
 
 from indexer import protocol as p
-from tests.e2e.conftest import INDEXES, model
+from indexer.router import Workload, generate
+from tests.e2e.conftest import INDEXES, dump, indexer_command, model, run_feed, write_jsonl
 from tests.e2e.stream_client import VBUCKETS, Router, Source, indexes_equal_model
 
 SLOW_SNAPSHOTS = {"snapshots": {"in_memory_interval_ms": 400, "persist_interval_ms": 5000}}
@@ -85,3 +87,32 @@ def test_barrier_and_buffer_ack_frames_from_a_router_are_refused(daemon_factory:
         assert isinstance(error, p.Error) and error.code is p.ErrorCode.PROTOCOL, error
         router.close()
     assert daemon.stop() == 0
+
+
+def test_the_reference_router_gives_session_consistency_within_a_small_window(
+    daemon_factory: Any, tmp_path: Any
+) -> None:
+    """`indexer feed --wait visible` prints an at_plus vector; a scan with it sees the feed.
+
+    The daemon's window is one frame (1 MiB) and its snapshots are slow, so the feed runs on
+    credit and the barrier answer waits for a snapshot.
+    """
+    window = {"flow_control_bytes": 1 << 20}
+    daemon = daemon_factory(server=window, **SLOW_SNAPSHOTS).start()
+    documents = list(generate(Workload(60_000, 8_000, 0.1, 8)))
+    done = run_feed(daemon, write_jsonl(tmp_path / "a.jsonl", documents), "--wait", "visible")
+    assert done.returncode == 0, done.stderr
+    assert "visible over" in done.stderr
+    line = done.stdout.strip()
+    assert json.loads(line)["at_plus"]
+    scanned = subprocess.run(
+        indexer_command("scan", "by_age", "--url", daemon.url, "--at-plus", line, "--timeout", "5"),
+        capture_output=True,
+        text=True,
+    )
+    assert scanned.returncode == 0, scanned.stderr
+    rows = [json.loads(r) for r in scanned.stdout.splitlines()]
+    assert rows == model(documents, INDEXES["by_age"])
+    assert "BUFFER_ACK" not in daemon.log()  # credit is normal traffic, not worth a log line
+    assert daemon.stop() == 0
+    assert dump(daemon, "by_city") == model(documents, INDEXES["by_city"])
