@@ -64,18 +64,23 @@ class StoredIndex:
         return b"r" + _ID.pack(self.index_id)
 
 
-def open_leveldb(path: Path, create: bool) -> Any:
+def open_leveldb(
+    path: Path,
+    create: bool,
+    what: str = "the store",
+    holder: str = "a running daemon?",
+    locked: type[Exception] = StoreLockedError,
+    failed: type[Exception] = StoreError,
+) -> Any:
     """A plyvel database, with lock and corruption errors turned into one clear line."""
     try:
         return plyvel.DB(str(path), create_if_missing=create)
     except plyvel.IOError as exc:
         if "lock" in str(exc).lower():
-            raise StoreLockedError(
-                f"the store in {path} is held by another process (a running daemon?)"
-            ) from None
-        raise StoreError(f"cannot open the store in {path}: {exc}") from None
+            raise locked(f"{what} in {path} is held by another process ({holder})") from None
+        raise failed(f"cannot open {what} in {path}: {exc}") from None
     except plyvel.Error as exc:
-        raise StoreError(f"cannot open the store in {path}: {exc}") from None
+        raise failed(f"cannot open {what} in {path}: {exc}") from None
 
 
 class IndexStore:

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import plyvel
-
 from indexer.protocol import MAX_FAILOVER_ENTRIES
 from indexer.router.documents import Document, vbucket_of
+from indexer.storage import open_leveldb
 
 STATE_DIR = "source"
 DEFAULT_NUM_VBUCKETS = 1024
@@ -86,16 +85,9 @@ class _Vbucket:
 
 
 def _open(path: Path, create: bool) -> Any:
-    try:
-        return plyvel.DB(str(path), create_if_missing=create)
-    except plyvel.IOError as exc:
-        if "lock" in str(exc).lower():
-            raise SourceLockedError(
-                f"the source log in {path} is held by another process (another feed?)"
-            ) from None
-        raise SourceError(f"cannot open the source log in {path}: {exc}") from None
-    except plyvel.Error as exc:
-        raise SourceError(f"cannot open the source log in {path}: {exc}") from None
+    return open_leveldb(
+        path, create, "the source log", "another feed?", SourceLockedError, SourceError
+    )
 
 
 class SourceLog:
