@@ -1,4 +1,4 @@
-"""The `indexer` command line: serve, feed, dump.
+"""The `indexer` command line: serve, feed, router, dump.
 
 Every error ends the command with a non-zero exit and one line on stderr saying what is wrong.
 """
@@ -72,9 +72,9 @@ def serve(
         fail("interrupted during start-up", 130)
 
 
-def _address(value: str) -> tuple[str, int]:
+def _address(value: str, allow_zero: bool = False) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not int(not allow_zero) <= int(port) < 65536:
         raise click.BadParameter(f"{value!r} is not HOST:PORT")
     return host, int(port)
 
@@ -308,6 +308,77 @@ def _feed_state(
 
         result = _run_feed(run)
     _report(result)
+
+
+@main.command()
+@click.option(
+    "--state",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The router's source log (created if missing).",
+)
+@click.option(
+    "--to", "targets", multiple=True, required=True, help="An indexer node, HOST:PORT (repeat)."
+)
+@click.option(
+    "--jsonl",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.',
+)
+@click.option("--follow", is_flag=True, help="Keep reading lines appended to --jsonl (tail -f).")
+@click.option("--http", "http_address", help="Serve PUT/DELETE /docs/ID on HOST:PORT.")
+@click.option(
+    "--vbuckets",
+    type=click.IntRange(1, 65536),
+    help="Vbuckets of a new --state log (default 1024; an existing log keeps its count).",
+)
+def router(
+    state: Path,
+    targets: tuple[str, ...],
+    jsonl: Path | None,
+    follow: bool,
+    http_address: str | None,
+    vbuckets: int | None,
+) -> None:
+    """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
+    stream it to every --to node, then each new document as it comes."""
+    from indexer.router import SourceError, SourceLog
+    from indexer.router.service import RouterOptions, run_router
+
+    if follow and jsonl is None:
+        fail("--follow needs --jsonl FILE", 2)
+    addresses = []
+    for value in targets:
+        try:
+            address = _address(value)
+        except click.BadParameter as exc:
+            fail(f"--to: {exc.message}", 2)
+        if address in addresses:
+            fail(f"--to: {value} is given twice", 2)
+        addresses.append(address)
+    http = None
+    if http_address is not None:
+        try:
+            http = _address(http_address, allow_zero=True)  # port 0: any free port
+        except click.BadParameter as exc:
+            fail(f"--http: {exc.message}", 2)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    options = RouterOptions(addresses, jsonl, follow, http)
+    try:
+        log = SourceLog(state, vbuckets)
+    except SourceError as exc:
+        fail(str(exc))
+    with log:
+        try:
+            trio.run(run_router, log, options)
+        except OSError as exc:
+            fail(str(exc))
+        except KeyboardInterrupt:
+            fail("interrupted during start-up", 130)
 
 
 class _NoBar:

@@ -6,7 +6,8 @@ vbucket into snapshots. Two encoders feed them. `StreamEncoder` numbers an input
 vbucket (CRC32 of the id) in input order, so replaying the same input after a restart skips
 exactly what the indexer reported as persisted. `LogEncoder` streams a router's source log
 (`source.py`): stored seqnos and vbuuids, with failover logs in the handshake. `feed` and
-`feed_log` move those frames over TCP and read acks.
+`feed_log` move those frames over TCP and read acks; `follow_log` keeps its connection and
+streams a live log's appends as they come (the long-running router, `service.py`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import closing
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import closing, suppress
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol, TypeVar
 
 import trio
 
@@ -29,6 +30,7 @@ from indexer.where import WhereError, matches, parse_where
 
 BATCH_RECORDS = 512
 SEND_BYTES = 256 * 1024
+_T = TypeVar("_T")
 
 
 class FeedError(Exception):
@@ -232,6 +234,7 @@ class LogEncoder:
         self.records = RecordEncoder(reply.indexes)
         self.batches = Batcher(self.records.nkeys, batch_bytes(reply), log.vbuuid, batch_records)
         restart = {position.vbucket: position.seqno for position in reply.restart}
+        self.restart = restart
         # Per vbucket with something to send: the last seqno taken so far, and the high seqno.
         self.positions: dict[int, int] = {}
         self.highs: dict[int, int] = {}
@@ -273,6 +276,28 @@ class LogEncoder:
                     frames += self.batches.flush(vb)
                 self.sent += count
                 yield frames, count
+
+    def pending(self) -> int:
+        """Mutations still to send (as the log stood when last looked at)."""
+        return sum(self.highs[vb] - seqno for vb, seqno in self.positions.items())
+
+    def extend(self) -> None:
+        """Queue what was appended to the log since: the next `frames()` send it (a live tail).
+
+        A vbucket first used after the handshake, where the indexer holds a higher seqno than
+        the log, is an error: a new handshake carries its failover log and settles it.
+        """
+        for vb in self.log.vbuckets_with_history():
+            high = self.log.high_seqno(vb)
+            done = self.positions.get(vb, self.batches.last.get(vb, self.restart.get(vb, 0)))
+            if done > high:
+                raise FeedError(
+                    f"vbucket {vb}: the indexer holds seqno {done} but the source log ends at"
+                    f" {high}: reconnecting to compare histories"
+                )
+            if done < high:
+                self.positions[vb] = done
+                self.highs[vb] = high
 
     def targets(self) -> dict[int, int]:
         """Per vbucket streamed, the seqno an ack must reach for everything to be persisted."""
@@ -482,6 +507,14 @@ async def feed_log(
 async def _feed_once(
     host: str, port: int, handshake: p.Handshake, start: _Start, settings: FeedSettings
 ) -> FeedResult:
+    async def run(peer: _Peer) -> FeedResult:
+        return await _run(peer.stream, peer, handshake, start, settings)
+
+    return await _connection(host, port, run)
+
+
+async def _connection(host: str, port: int, run: Callable[[_Peer], Awaitable[_T]]) -> _T:
+    """Connect and `run` the conversation; connection failures become a FeedError."""
     try:
         stream = await trio.open_tcp_stream(host, port)
     except OSError as exc:
@@ -490,7 +523,7 @@ async def _feed_once(
         peer = _Peer(stream)
         try:
             try:
-                return await _run(stream, peer, handshake, start, settings)
+                return await run(peer)
             except BaseExceptionGroup as group:
                 raise _leaf(group) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError) as exc:
@@ -529,40 +562,11 @@ async def _run(
     start: _Start,
     settings: FeedSettings,
 ) -> FeedResult:
-    progress = settings.progress
-    handshake = dataclasses.replace(handshake, flow_control=settings.flow_control)
-    await peer.send(p.encode(handshake))  # the window counts the handshake too
-    reply = await peer.next_message()
-    if isinstance(reply, p.Error):
-        peer._handle(reply)
-    if not isinstance(reply, p.HandshakeReply):
-        raise FeedError(f"expected a handshake reply, got {type(reply).__name__}")
-    if settings.on_rollback is not None:
-        for vb, seqno in sorted(reply.rollback.items()):
-            settings.on_rollback(vb, seqno)
-    peer.window = reply.flow_control_bytes
+    reply = await _handshake(peer, handshake, settings)
     encoder, chunks = start(reply)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peer.read_acks)
-        out: list[bytes] = []
-        size = 0
-        count = 0
-        for frames, consumed in chunks:
-            count += consumed
-            if frames:
-                out.extend(frames)
-                size += sum(len(f) for f in frames)
-                if size >= SEND_BYTES:
-                    await peer.send(b"".join(out))
-                    out.clear()
-                    size = 0
-                    if progress is not None:
-                        progress(count)
-                        count = 0
-        if out:
-            await peer.send(b"".join(out))
-        if progress is not None and count:
-            progress(count)
+        await _send_chunks(peer, chunks, settings.progress)
         targets = encoder.targets()
         visible_at = None
         if settings.wait_visible:
@@ -580,3 +584,103 @@ async def _run(
             await peer.send(b"".join(ends))
         nursery.cancel_scope.cancel()
     return FeedResult(encoder.sent, encoder.skipped, len(targets), persisted, visible_at)
+
+
+async def _handshake(
+    peer: _Peer, handshake: p.Handshake, settings: FeedSettings
+) -> p.HandshakeReply:
+    """Send the handshake, read the reply, report rollbacks and open the flow-control window."""
+    handshake = dataclasses.replace(handshake, flow_control=settings.flow_control)
+    await peer.send(p.encode(handshake))  # the window counts the handshake too
+    reply = await peer.next_message()
+    if isinstance(reply, p.Error):
+        peer._handle(reply)
+    if not isinstance(reply, p.HandshakeReply):
+        raise FeedError(f"expected a handshake reply, got {type(reply).__name__}")
+    if settings.on_rollback is not None:
+        for vb, seqno in sorted(reply.rollback.items()):
+            settings.on_rollback(vb, seqno)
+    peer.window = reply.flow_control_bytes
+    return reply
+
+
+async def _send_chunks(
+    peer: _Peer,
+    chunks: Iterable[tuple[list[bytes], int]],
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Send the chunks' frames in pieces of about SEND_BYTES, reporting documents consumed."""
+    out: list[bytes] = []
+    size = 0
+    count = 0
+    for frames, consumed in chunks:
+        count += consumed
+        if frames:
+            out.extend(frames)
+            size += sum(len(f) for f in frames)
+            if size >= SEND_BYTES:
+                await peer.send(b"".join(out))
+                out.clear()
+                size = 0
+                if progress is not None:
+                    progress(count)
+                    count = 0
+    if out:
+        await peer.send(b"".join(out))
+    if progress is not None and count:
+        progress(count)
+
+
+END_TIMEOUT_S = 1.0
+
+
+async def follow_log(
+    host: str,
+    port: int,
+    log: SourceLog,
+    next_change: Callable[[], trio.Event],
+    *,
+    router_name: str = "indexer-router",
+    on_rollback: Callable[[int, int], None] | None = None,
+    on_connected: Callable[[p.HandshakeReply, int], None] | None = None,
+) -> NoReturn:
+    """Stream `log` to the indexer at host:port like `feed_log`, then keep the connection and
+    stream each append as it comes, until cancelled or a FeedError (one connection, no retry).
+
+    `next_change()` is the event the next append to the log sets. `on_connected(reply, n)` is
+    called after the handshake with the number of mutations the indexer lacks. Cancelled while
+    idle, it ends the streams (STREAM_END) before closing.
+    """
+    n = log.num_vbuckets
+    settings = FeedSettings(router_name=router_name, num_vbuckets=n, on_rollback=on_rollback)
+    # Every vbucket, so the restart positions of those first used later are known too.
+    vbuckets = log.vbuckets_with_history()
+    logs = {vb: log.failover_log(vb) for vb in vbuckets}
+    handshake = p.Handshake(router_name, n, tuple(range(n)), logs)
+
+    async def run(peer: _Peer) -> NoReturn:
+        reply = await _handshake(peer, handshake, settings)
+        changed = next_change()
+        encoder = LogEncoder(reply, log)
+        if on_connected is not None:
+            on_connected(reply, encoder.pending())
+        idle = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peer.read_acks)
+                while True:
+                    await _send_chunks(peer, encoder.frames(), None)
+                    idle = True
+                    await changed.wait()
+                    idle = False
+                    changed = next_change()
+                    encoder.extend()
+        finally:
+            # Between whole frames: release the vbuckets in an orderly way (best effort).
+            ends = encoder.ends()
+            if idle and ends:
+                with trio.move_on_after(END_TIMEOUT_S, shield=True):
+                    with suppress(Exception):
+                        await peer.stream.send_all(b"".join(ends))
+
+    await _connection(host, port, run)

@@ -1,0 +1,272 @@
+"""The long-running router (`indexer router`) against real daemons: a followed JSONL file, the
+documents API, a daemon killed and restarted under it, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from indexer.router import Workload, generate
+from indexer.router.documents import Document, vbucket_of
+from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model, write_jsonl
+
+pytestmark = pytest.mark.e2e
+
+WAIT_S = 60.0
+
+
+class Router:
+    """`indexer router` in a subprocess, its log in a file."""
+
+    def __init__(self, log_path: Path, *args: str) -> None:
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(indexer_command("router", *args), stderr=log)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_log(self, pattern: str, count: int = 1, timeout: float = WAIT_S) -> list[str]:
+        """The log's matches of `pattern` once there are `count` of them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = re.findall(pattern, self.log())
+            if len(found) >= count:
+                return found
+            assert self.proc.poll() is None, f"the router exited:\n{self.log()}"
+            assert time.monotonic() < deadline, f"no {pattern!r} x{count} in:\n{self.log()}"
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def routers(tmp_path: Path) -> Iterator[Any]:
+    started: list[Router] = []
+
+    def make(*args: str) -> Router:
+        router = Router(tmp_path / f"router{len(started)}.log", *args)
+        started.append(router)
+        return router
+
+    yield make
+    for router in started:
+        if router.proc.poll() is None:
+            router.proc.kill()
+            router.proc.wait()
+
+
+def append_lines(path: Path, documents: list[Document]) -> None:
+    with open(path, "a") as f:
+        for d in documents:
+            item = (
+                {"id": d.docid, "deleted": True}
+                if d.body is None
+                else {"id": d.docid, "doc": d.body}
+            )
+            f.write(json.dumps(item) + "\n")
+
+
+def scan(daemon: Daemon, name: str, consistency: str = "request_plus") -> list[dict[str, Any]]:
+    answer = httpx.get(
+        f"{daemon.url}/indexes/{name}/scan", params={"consistency": consistency}, timeout=60
+    )
+    assert answer.status_code == 200, answer.text
+    return [json.loads(line) for line in answer.text.splitlines() if line]
+
+
+def wait_equal(daemon: Daemon, documents: list[Document], timeout: float = WAIT_S) -> None:
+    """Until every index of the daemon equals the model of `documents` (request_plus scans)."""
+    want = {name: model(documents, paths) for name, paths in INDEXES.items()}
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {name: scan(daemon, name) for name in INDEXES}
+        if got == want:
+            return
+        assert time.monotonic() < deadline, {
+            name: (len(got[name]), len(want[name])) for name in INDEXES
+        }
+        time.sleep(0.2)
+
+
+def test_a_followed_file_reaches_two_daemons(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    first, second = daemon_factory().start(), daemon_factory().start()
+    documents = list(generate(Workload(3_000, 800, 0.1, 51)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
+        "--to", first.address, "--to", second.address,
+    )  # fmt: skip
+    router.wait_log(r"connected; resuming", 2)
+    for round_ in range(3):
+        more = list(generate(Workload(1_000, 1_200, 0.2, 60 + round_)))
+        append_lines(jsonl, more)
+        documents += more
+        time.sleep(0.1)
+    # A line written in two pieces: the router waits for its newline.
+    last = Document("late", {"age": 77, "address": {"city": "Oslo"}})
+    line = json.dumps({"id": last.docid, "doc": last.body}) + "\n"
+    with open(jsonl, "a") as f:
+        f.write(line[:10])
+        f.flush()
+        time.sleep(0.5)
+        f.write(line[10:])
+    documents.append(last)
+    wait_equal(first, documents)
+    wait_equal(second, documents)
+    assert router.stop() == 0
+    text = router.log()
+    assert "ERROR" not in text and text.count("disconnected") == 0, text
+    assert "SIGTERM received: stopping" in text and text.rstrip().endswith("stopped")
+    assert first.stop() == 0 and second.stop() == 0
+
+
+def test_the_documents_api_puts_and_deletes(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory().start()
+    router = routers(
+        "--state", str(tmp_path / "state"), "--to", daemon.address, "--http", "127.0.0.1:0"
+    )
+    (url,) = router.wait_log(r"documents API on (http://\S+)")
+    router.wait_log(r"connected; resuming")
+    documents = []
+    seqnos: dict[int, int] = {}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for i in range(40):
+            body = {"age": i % 7, "address": {"city": ["Oslo", "Paris", "Rome"][i % 3]}}
+            document = Document(f"user::{i % 25}", body)
+            answer = client.put(f"/docs/{document.docid}", json=body)
+            assert answer.status_code == 200, answer.text
+            vb = vbucket_of(document.docid.encode(), 1024)
+            seqnos[vb] = seqnos.get(vb, 0) + 1
+            assert answer.json() == {"vbucket": vb, "seqno": seqnos[vb]}
+            documents.append(document)
+        for i in (3, 4, 17, 99):
+            answer = client.delete(f"/docs/user::{i}")
+            assert answer.status_code == 200 and set(answer.json()) == {"vbucket", "seqno"}
+            documents.append(Document(f"user::{i}", None))
+        # An id with a slash and a space, percent-encoded in the path.
+        answer = client.put("/docs/a%2Fb%20c", json={"age": 1})
+        assert answer.status_code == 200
+        assert answer.json()["vbucket"] == vbucket_of(b"a/b c", 1024)
+        documents.append(Document("a/b c", {"age": 1}))
+        for method, path, body, status, message in (
+            ("PUT", "/docs/x", b"{not json", 400, "the body is not JSON"),
+            ("PUT", "/docs/x", b"[1, 2]", 400, "must be a JSON object"),
+            ("PUT", "/docs/x", b"", 400, "the body is not JSON"),
+            ("PUT", "/docs/" + "x" * 251, b"{}", 400, "1 to 250 bytes"),
+            ("PUT", "/docs/", b"{}", 400, "1 to 250 bytes"),
+            ("GET", "/docs/x", b"", 405, "not allowed"),
+            ("PUT", "/other", b"{}", 404, "not found"),
+            ("PUT", "/docs/x", b'{"a": "' + b"x" * (1 << 20) + b'"}', 413, "over"),
+        ):
+            answer = client.request(method, path, content=body)
+            assert answer.status_code == status, (path, answer.text)
+            assert message in answer.json()["error"], answer.text
+    wait_equal(daemon, documents)
+    # A new index: the daemon asks for a new handshake and the router reconnects at once.
+    created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ["zip"]})
+    assert created.status_code == 201, created.text
+    router.wait_log(rf"{daemon.address}: disconnected: .*INDEXES_CHANGED")
+    router.wait_log(r"connected; resuming", 2)
+    zipped = [Document(f"z{i}", {"zip": f"{i:05}", "age": i}) for i in range(5)]
+    for document in zipped:
+        assert httpx.put(f"{url}/docs/{document.docid}", json=document.body).status_code == 200
+    documents += zipped
+    wait_equal(daemon, documents)
+    assert scan(daemon, "by_zip") == model(documents, ["zip"])
+    assert router.stop() == 0
+    assert daemon.stop() == 0
+
+
+def test_a_killed_daemon_catches_up_after_its_restart(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    steady, victim = daemon_factory().start(), daemon_factory().start()
+    documents = list(generate(Workload(4_000, 1_000, 0.1, 71)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
+        "--to", steady.address, "--to", victim.address,
+    )  # fmt: skip
+    wait_equal(victim, documents)
+    # Persisted (every mutation has its own seqno: the sum counts them), then killed.
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(f"{victim.url}/stats").json()["persisted"]["seqno_sum"] < len(documents):
+        assert time.monotonic() < deadline, "the daemon did not persist in time"
+        time.sleep(0.1)
+    victim.kill()
+    router.wait_log(rf"{victim.address}: disconnected")
+    more = list(generate(Workload(2_000, 1_500, 0.2, 72)))
+    append_lines(jsonl, more)
+    documents += more
+    wait_equal(steady, documents)  # the other node is not held up
+    victim.start()
+    # It resumes from what the killed daemon had persisted, not from zero.
+    resumed = router.wait_log(
+        rf"{victim.address}: connected; resuming from restart seqno sum (\d+)", 2
+    )
+    assert int(resumed[-1]) >= 4_000
+    later = list(generate(Workload(1_000, 1_500, 0.2, 73)))
+    append_lines(jsonl, later)
+    documents += later
+    wait_equal(victim, documents)
+    wait_equal(steady, documents)
+    assert router.stop() == 0
+    assert router.log().count(f"{steady.address}: connected") == 1
+    assert steady.stop() == 0 and victim.stop() == 0
+
+
+def test_a_bad_line_is_logged_and_skipped(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory().start()
+    good = list(generate(Workload(500, 200, 0.1, 81)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", good)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
+        "--to", daemon.address,
+    )  # fmt: skip
+    wait_equal(daemon, good)
+    with open(jsonl, "a") as f:
+        f.write('{"id": "broken", "doc": \n')
+    more = list(generate(Workload(300, 400, 0.1, 82)))
+    append_lines(jsonl, more)
+    (error,) = router.wait_log(r"ERROR indexer\.router: (.*)")
+    assert (
+        error
+        == f"skipped a bad input line: {jsonl}:501: not JSON: " + error.split("not JSON: ", 1)[1]
+    )
+    wait_equal(daemon, good + more)
+    assert router.proc.poll() is None
+    assert router.log().count("ERROR") == 1
+    assert router.stop() == 0
+    assert daemon.stop() == 0
+
+
+def test_bad_router_commands_fail_with_one_line(tmp_path: Path) -> None:
+    for args, message in (
+        (["--state", str(tmp_path / "s")], "Missing option '--to'"),
+        (["--state", str(tmp_path / "s"), "--to", "nowhere"], "--to: 'nowhere' is not HOST:PORT"),
+        (["--state", str(tmp_path / "s"), "--to", "h:1", "--to", "h:1"], "h:1 is given twice"),
+        (["--state", str(tmp_path / "s"), "--to", "h:1", "--follow"], "--follow needs --jsonl"),
+    ):
+        result = subprocess.run(
+            indexer_command("router", *args), capture_output=True, text=True, timeout=30
+        )
+        assert result.returncode == 2, result.stderr
+        assert message in result.stderr, result.stderr
