@@ -2,6 +2,7 @@
 
 from indexer.router.documents import Document, read_jsonl, vbucket_of
 from indexer.router.feed import FeedError, FeedResult, feed, feed_log
+from indexer.router.mutations import MutationManager
 from indexer.router.source import SourceError, SourceLog
 from indexer.router.workload import Workload, generate
 
@@ -9,6 +10,7 @@ __all__ = [
     "Document",
     "FeedError",
     "FeedResult",
+    "MutationManager",
     "SourceError",
     "SourceLog",
     "Workload",
