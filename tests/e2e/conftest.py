@@ -154,8 +154,9 @@ def dump(daemon: Daemon, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def write_jsonl(path: Path, documents: list[Document]) -> Path:
-    with open(path, "w") as f:
+def write_jsonl(path: Path, documents: list[Document], append: bool = False) -> Path:
+    """Documents as the feed's JSONL input; with `append`, added to the end of the file."""
+    with open(path, "a" if append else "w") as f:
         for d in documents:
             item = (
                 {"id": d.docid, "deleted": True}

@@ -67,17 +67,6 @@ def routers(tmp_path: Path) -> Iterator[Any]:
             router.proc.wait()
 
 
-def append_lines(path: Path, documents: list[Document]) -> None:
-    with open(path, "a") as f:
-        for d in documents:
-            item = (
-                {"id": d.docid, "deleted": True}
-                if d.body is None
-                else {"id": d.docid, "doc": d.body}
-            )
-            f.write(json.dumps(item) + "\n")
-
-
 def scan(daemon: Daemon, name: str, consistency: str = "request_plus") -> list[dict[str, Any]]:
     answer = httpx.get(
         f"{daemon.url}/indexes/{name}/scan", params={"consistency": consistency}, timeout=60
@@ -113,7 +102,7 @@ def test_a_followed_file_reaches_two_daemons(
     router.wait_log(r"connected; resuming", 2)
     for round_ in range(3):
         more = list(generate(Workload(1_000, 1_200, 0.2, 60 + round_)))
-        append_lines(jsonl, more)
+        write_jsonl(jsonl, more, append=True)
         documents += more
         time.sleep(0.1)
     # A line written in two pieces: the router waits for its newline.
@@ -212,7 +201,7 @@ def test_a_killed_daemon_catches_up_after_its_restart(
     victim.kill()
     router.wait_log(rf"{victim.address}: disconnected")
     more = list(generate(Workload(2_000, 1_500, 0.2, 72)))
-    append_lines(jsonl, more)
+    write_jsonl(jsonl, more, append=True)
     documents += more
     wait_equal(steady, documents)  # the other node is not held up
     victim.start()
@@ -222,7 +211,7 @@ def test_a_killed_daemon_catches_up_after_its_restart(
     )
     assert int(resumed[-1]) >= 4_000
     later = list(generate(Workload(1_000, 1_500, 0.2, 73)))
-    append_lines(jsonl, later)
+    write_jsonl(jsonl, later, append=True)
     documents += later
     wait_equal(victim, documents)
     wait_equal(steady, documents)
@@ -245,7 +234,7 @@ def test_a_bad_line_is_logged_and_skipped(
     with open(jsonl, "a") as f:
         f.write('{"id": "broken", "doc": \n')
     more = list(generate(Workload(300, 400, 0.1, 82)))
-    append_lines(jsonl, more)
+    write_jsonl(jsonl, more, append=True)
     (error,) = router.wait_log(r"ERROR indexer\.router: (.*)")
     assert (
         error
