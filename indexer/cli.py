@@ -332,6 +332,13 @@ def _feed_state(
     type=click.IntRange(1, 65536),
     help="Vbuckets of a new --state log (default 1024; an existing log keeps its count).",
 )
+@click.option(
+    "--memory-mb",
+    type=click.FloatRange(0.01, 1 << 20),
+    default=256.0,
+    show_default=True,
+    help="Cap of recent mutations kept in memory; nodes further behind read the source log.",
+)
 def router(
     state: Path,
     targets: tuple[str, ...],
@@ -339,6 +346,7 @@ def router(
     follow: bool,
     http_address: str | None,
     vbuckets: int | None,
+    memory_mb: float,
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
     stream it to every --to node, then each new document as it comes."""
@@ -367,7 +375,7 @@ def router(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    options = RouterOptions(addresses, jsonl, follow, http)
+    options = RouterOptions(addresses, jsonl, follow, http, memory_bytes=int(memory_mb * (1 << 20)))
     try:
         log = SourceLog(state, vbuckets)
     except SourceError as exc:

@@ -405,6 +405,20 @@ class MutationManager:
         self._tidy(vb)
         self._unpinned.add(vbucket)
 
+    def reset_vbucket(self, vbucket: int, high: int) -> None:
+        """After a failover of the vbucket's source: its history above `high` is gone.
+
+        Memory of the vbucket and its cursors are forgotten; the consumers must connect again
+        (a new handshake compares histories) and register anew.
+        """
+        if high < 0:
+            raise MutationError(f"vbucket {vbucket}: seqno {high} is negative")
+        vb = self._vbuckets.pop(vbucket, None)
+        if vb is not None:
+            self.memory -= vb.bytes
+        self._highs[vbucket] = high
+        self._unpinned.discard(vbucket)
+
     def unregister_consumer(self, consumer: str) -> None:
         """Remove every cursor of the consumer (its connection closed)."""
         for vb in self._vbuckets.values():

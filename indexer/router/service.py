@@ -1,15 +1,18 @@
-"""The long-running router (`indexer router`): inputs append to the source log, and one task per
-indexer node streams the log to it and then each append as it comes.
+"""The long-running router (`indexer router`): inputs append to the source log and the Mutation
+Manager, and one task per indexer node streams to it.
 
 The inputs are a JSONL file (read to its end, or followed like `tail -f`) and a small HTTP API
-(`PUT /docs/ID`, `DELETE /docs/ID`). Every document is appended to the `SourceLog`, which gives
-it its vbucket and seqno, and the append wakes the node tasks. A node task holds one connection
-(`feed.follow_log`) and reconnects with backoff when the indexer is down, restarts or asks to
-handshake again, resuming from the restart positions of the new handshake.
+(`PUT /docs/ID`, `DELETE /docs/ID`, `POST /failover/VB`, `GET /stats`). Every document is
+appended to the `SourceLog`, which gives it its vbucket and seqno, then written to the
+`MutationManager`, and the write wakes the node tasks. A node task holds one connection
+(`node_stream.follow_memory`: memory while the node keeps up, the log when it is behind) and
+reconnects with backoff when the indexer is down, restarts or asks to handshake again, resuming
+from the restart positions of the new handshake.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,8 +26,10 @@ import trio
 
 from indexer import protocol as p
 from indexer.router.documents import Document, DocumentError, parse_line, vbucket_of
-from indexer.router.feed import RECONNECT_CODES, FeedError, follow_log
-from indexer.router.source import SourceLog
+from indexer.router.feed import RECONNECT_CODES, FeedError
+from indexer.router.mutations import MutationManager
+from indexer.router.node_stream import NodeProgress, follow_memory
+from indexer.router.source import SourceError, SourceLog, encode_document
 
 log = logging.getLogger("indexer.router")
 
@@ -36,6 +41,7 @@ BACKOFF_MAX_S = 5.0
 STEADY_S = 2.0  # a connection up this long resets the backoff
 MAX_BODY = 1 << 20
 MAX_DOCID_BYTES = 250
+DEFAULT_MEMORY_BYTES = 256 << 20  # the Mutation Manager's cap
 
 Address = tuple[str, int]
 
@@ -49,6 +55,7 @@ class RouterOptions:
     follow: bool = False
     http: Address | None = None
     router_name: str = ROUTER_NAME
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
 
 
 class LineSplitter:
@@ -93,12 +100,15 @@ def parse_lines(lines: Sequence[tuple[int, bytes]], where: str) -> tuple[list[Do
 
 
 class Appender:
-    """Appends documents to the source log, one batch at a time, and wakes who waits for more."""
+    """Appends documents to the source log, then to the Mutation Manager, one batch at a time,
+    and wakes who waits for more."""
 
-    def __init__(self, source: SourceLog) -> None:
+    def __init__(self, source: SourceLog, mm: MutationManager) -> None:
         self.source = source
+        self.mm = mm
         self.lock = trio.Lock()
         self._changed = trio.Event()
+        self.dropped = 0  # cursors dropped over the memory cap
 
     def next_change(self) -> trio.Event:
         """The event the next append sets."""
@@ -110,13 +120,29 @@ class Appender:
             return []
         async with self.lock:
             # The log's in-memory state changes in one step after the batch is written, so the
-            # streaming tasks read either the log before this batch or after it.
-            positions = await trio.to_thread.run_sync(self._append, documents)
-        self._changed.set()
-        self._changed = trio.Event()
+            # streaming tasks read either the log before this batch or after it. The manager
+            # only gets what the log holds: a dropped cursor finds everything there.
+            positions, payloads = await trio.to_thread.run_sync(self._append, documents)
+            write = self.mm.write
+            for (vb, seqno), document, payload in zip(positions, documents, payloads, strict=True):
+                for backfill in write(vb, seqno, document.docid.encode(), payload):
+                    self.dropped += 1
+                    log.info(
+                        "%s fell behind on vbucket %d: it reads the source log from seqno %d",
+                        backfill.consumer,
+                        backfill.vbucket,
+                        backfill.after + 1,
+                    )
+        self.wake()
         return positions
 
-    def _append(self, documents: Sequence[Document]) -> list[tuple[int, int]]:
+    def wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _append(
+        self, documents: Sequence[Document]
+    ) -> tuple[list[tuple[int, int]], list[bytes | None]]:
         n = self.source.num_vbuckets
         highs: dict[int, int] = {}
         positions = []
@@ -126,7 +152,18 @@ class Appender:
             highs[vb] = seqno
             positions.append((vb, seqno))
         self.source.append(documents)
-        return positions
+        payloads = [None if d.body is None else encode_document(d) for d in documents]
+        return positions, payloads
+
+    async def failover(self, vbucket: int, seqno: int | None) -> tuple[int, int]:
+        """Fail the vbucket's source over at `seqno` (default: its high seqno); (vbuuid, seqno).
+
+        The manager forgets the vbucket; the caller makes the nodes handshake again.
+        """
+        async with self.lock:
+            vbuuid, at = await trio.to_thread.run_sync(self.source.failover, vbucket, seqno)
+            self.mm.reset_vbucket(vbucket, at)
+        return vbuuid, at
 
 
 async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None:
@@ -165,8 +202,25 @@ async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None
                 splitter = LineSplitter()
 
 
+class Nodes:
+    """The indexer nodes' connections: their progress, and a way to make them all reconnect."""
+
+    def __init__(self, targets: Sequence[Address]) -> None:
+        self.progress = {f"{host}:{port}": NodeProgress() for host, port in targets}
+        self.scopes: dict[str, trio.CancelScope] = {}
+
+    def reconnect_all(self) -> None:
+        """Close every connection; each node task connects again at once (a new handshake)."""
+        for scope in self.scopes.values():
+            scope.cancel()
+
+
 async def stream_to_node(
-    address: Address, source: SourceLog, appender: Appender, router_name: str = ROUTER_NAME
+    address: Address,
+    source: SourceLog,
+    appender: Appender,
+    nodes: Nodes,
+    router_name: str = ROUTER_NAME,
 ) -> None:
     """Keep the node fed until cancelled: connect, stream, reconnect with backoff on errors."""
     host, port = address
@@ -176,30 +230,37 @@ async def stream_to_node(
     while True:
         connected: float | None = None  # when the handshake was answered
 
-        def on_connected(reply: p.HandshakeReply, pending: int) -> None:
+        def on_connected(reply: p.HandshakeReply, backfills: int) -> None:
             nonlocal connected
             connected = trio.current_time()
             restart = sum(position.seqno for position in reply.restart)
             log.info(
-                "%s: connected; resuming from restart seqno sum %d, %d mutations to send",
+                "%s: connected; resuming from restart seqno sum %d, %d vbuckets from the log",
                 name,
                 restart,
-                pending,
+                backfills,
             )
 
         def on_rollback(vbucket: int, seqno: int) -> None:
             log.warning("%s: vbucket %d: the indexer rolled back to seqno %d", name, vbucket, seqno)
 
         try:
-            await follow_log(
-                host,
-                port,
-                source,
-                appender.next_change,
-                router_name=router_name,
-                on_rollback=on_rollback,
-                on_connected=on_connected,
-            )
+            with trio.CancelScope() as scope:
+                nodes.scopes[name] = scope
+                await follow_memory(
+                    host,
+                    port,
+                    source,
+                    appender.mm,
+                    appender.next_change,
+                    consumer=name,
+                    router_name=router_name,
+                    on_rollback=on_rollback,
+                    on_connected=on_connected,
+                    progress=nodes.progress[name],
+                )
+            log.info("%s: handshaking again after a failover", name)
+            continue
         except (FeedError, OSError) as exc:
             code = exc.code if isinstance(exc, FeedError) else None
             delay = backoff
@@ -217,10 +278,11 @@ async def stream_to_node(
 
 
 class DocsApi:
-    """The ASGI app of the router's input: PUT and DELETE /docs/ID."""
+    """The ASGI app of the router: PUT and DELETE /docs/ID, POST /failover/VB, GET /stats."""
 
-    def __init__(self, appender: Appender) -> None:
+    def __init__(self, appender: Appender, nodes: Nodes) -> None:
         self.appender = appender
+        self.nodes = nodes
 
     async def __call__(
         self,
@@ -249,8 +311,19 @@ class DocsApi:
     ) -> tuple[int, dict[str, Any]]:
         """(status, JSON answer) of one request."""
         path: str = scope["path"]  # percent-decoded already
+        if path == "/stats":
+            if method != "GET":
+                return 405, {"error": f"{method} is not allowed here: GET"}
+            return 200, self.stats()
+        if path.startswith("/failover/"):
+            if method != "POST":
+                return 405, {"error": f"{method} is not allowed here: POST"}
+            return await self.failover(path[len("/failover/") :], receive)
         if not path.startswith("/docs/"):
-            return 404, {"error": "not found: the routes are PUT and DELETE /docs/ID"}
+            return 404, {
+                "error": "not found: the routes are PUT and DELETE /docs/ID, "
+                "POST /failover/VB and GET /stats"
+            }
         docid = path[len("/docs/") :]
         if method not in ("PUT", "DELETE"):
             return 405, {"error": f"{method} is not allowed here: PUT or DELETE"}
@@ -272,6 +345,52 @@ class DocsApi:
         ((vbucket, seqno),) = await self.appender.append([document])
         return 200, {"vbucket": vbucket, "seqno": seqno}
 
+    async def failover(
+        self, vbucket_text: str, receive: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> tuple[int, dict[str, Any]]:
+        """Simulate a failover of one vbucket's source (tests, demos): new vbuuid, history
+        after the chosen seqno discarded; every node handshakes again and may roll back."""
+        if not vbucket_text.isdigit():
+            return 400, {"error": f"the vbucket must be a number, not {vbucket_text!r}"}
+        body, error = await read_body(receive)
+        if error is not None:
+            return error
+        seqno = None
+        if body.strip():
+            try:
+                value = json.loads(body)
+            except ValueError as exc:
+                return 400, {"error": f"the body is not JSON: {exc}"}
+            if not isinstance(value, dict) or set(value) - {"seqno"}:
+                return 400, {"error": 'the body must be {"seqno": N} or empty'}
+            seqno = value.get("seqno")
+            if seqno is not None and (type(seqno) is not int or seqno < 0):
+                return 400, {"error": "seqno must be a whole number >= 0"}
+        try:
+            vbuuid, at = await self.appender.failover(int(vbucket_text), seqno)
+        except SourceError as exc:
+            return 400, {"error": str(exc)}
+        self.nodes.reconnect_all()
+        log.warning("vbucket %s failed over at seqno %d (vbuuid %d)", vbucket_text, at, vbuuid)
+        return 200, {"vbucket": int(vbucket_text), "vbuuid": vbuuid, "seqno": at}
+
+    def stats(self) -> dict[str, Any]:
+        """The Mutation Manager's sizes and counters, and each node's connection."""
+        source = self.appender.source
+        return {
+            "mutation_manager": dataclasses.asdict(self.appender.mm.stats()),
+            "nodes": {
+                name: dataclasses.asdict(progress) for name, progress in self.nodes.progress.items()
+            },
+            "source": {
+                "vbuckets": source.num_vbuckets,
+                "vbuckets_used": len(source.vbuckets_with_history()),
+                "high_seqno_sum": sum(
+                    source.high_seqno(vb) for vb in source.vbuckets_with_history()
+                ),
+            },
+        }
+
 
 async def read_body(
     receive: Callable[[], Awaitable[dict[str, Any]]],
@@ -290,6 +409,7 @@ async def read_body(
 async def serve_http(
     address: Address,
     appender: Appender,
+    nodes: Nodes,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The documents API under hypercorn until cancelled; reports the bound address."""
@@ -302,7 +422,7 @@ async def serve_http(
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger("indexer.router.http")
     hyper.graceful_timeout = 1.0
-    app = DocsApi(appender)
+    app = DocsApi(appender, nodes)
 
     async def started(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(app, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
@@ -314,14 +434,21 @@ async def serve_http(
 
 async def run_router(source: SourceLog, options: RouterOptions) -> None:
     """Run the router until SIGINT or SIGTERM; then close the connections and return."""
-    appender = Appender(source)
+    highs = {vb: source.high_seqno(vb) for vb in source.vbuckets_with_history()}
+    appender = Appender(source, MutationManager(options.memory_bytes, high_seqnos=highs))
+    nodes = Nodes(options.targets)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             for address in options.targets:
-                nursery.start_soon(stream_to_node, address, source, appender, options.router_name)
+                nursery.start_soon(
+                    stream_to_node, address, source, appender, nodes, options.router_name
+                )
             if options.http is not None:
-                url = await nursery.start(serve_http, options.http, appender)
-                log.info("documents API on %s (PUT and DELETE /docs/ID)", url)
+                url = await nursery.start(serve_http, options.http, appender, nodes)
+                log.info(
+                    "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats)",
+                    url,
+                )
             if options.jsonl is not None:
                 nursery.start_soon(read_jsonl_input, options.jsonl, options.follow, appender)
             log.info(

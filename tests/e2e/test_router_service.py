@@ -130,7 +130,7 @@ def test_the_documents_api_puts_and_deletes(
     router = routers(
         "--state", str(tmp_path / "state"), "--to", daemon.address, "--http", "127.0.0.1:0"
     )
-    (url,) = router.wait_log(r"documents API on (http://\S+)")
+    (url,) = router.wait_log(r"router API on (http://\S+)")
     router.wait_log(r"connected; resuming")
     documents = []
     seqnos: dict[int, int] = {}

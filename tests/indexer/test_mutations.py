@@ -372,6 +372,26 @@ def test_a_dropped_cursor_is_not_parked_until_it_tries_to_rejoin() -> None:
     assert mm.read("i1", 0) == [snap(0, 5, 5, (5, "e", "x"))]
 
 
+def test_reset_after_a_failover_forgets_the_vbucket_only() -> None:
+    mm = MutationManager(capacity=BIG, item_overhead=10)
+    mm.register("i1", 0, 0)
+    mm.register("i1", 1, 0)
+    write(mm, 0, (1, "a", "x"), (2, "b", "x"), (3, "c", "x"))
+    write(mm, 1, (1, "d", "x"))
+    mm.reset_vbucket(0, 1)
+    assert mm.memory == cost("d", "x")
+    assert mm.high_seqno(0) == 1 and mm.floor(0) == 1
+    assert mm.cursors(0) == [] and mm.cursors(1) == ["i1"]
+    with pytest.raises(MutationError):
+        write(mm, 0, (1, "a", "y"))  # seqno 1 survived the failover
+    write(mm, 0, (2, "e", "y"))
+    assert mm.register("i1", 0, 1) is None
+    assert mm.read("i1", 0) == [snap(0, 2, 2, (2, "e", "y"))]
+    with pytest.raises(MutationError):
+        mm.reset_vbucket(0, -1)
+    check_structure(mm)
+
+
 def test_backfill_snapshots_cut_anywhere() -> None:
     items = [Item(s, b"a", b"%d" % s) for s in (2, 3, 5, 8)]
     assert list(backfill_snapshots(0, items, 2, 7, 2)) == [

@@ -1,0 +1,353 @@
+"""One indexer node's stream from the long-running router: memory first, the source log when behind.
+
+Each connection is a consumer of the router's `MutationManager`, with a cursor per vbucket at the
+restart seqno of the handshake. A cursor that memory serves reads whole snapshots from it. A
+cursor registered below what memory holds, or dropped because memory ran over its cap, gets a
+`Backfill`: a backfill task reads the source log for it, in chunks, into a bounded queue; the
+sender streams the chunks and then rejoins memory at the seqno reached. Vbuckets that keep up go
+on reading memory meanwhile. The queue's bound is what keeps a slow indexer from making the router
+read the whole log into memory.
+
+`NodeCursors` is the sans-IO part (cursors in, frames out); `follow_memory` moves the frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing, suppress
+from dataclasses import dataclass
+from itertools import islice, takewhile
+from typing import NoReturn
+
+import trio
+
+from indexer import protocol as p
+from indexer.router.documents import Document
+from indexer.router.feed import (
+    BATCH_RECORDS,
+    END_TIMEOUT_S,
+    FeedError,
+    FeedSettings,
+    RecordEncoder,
+    _connection,
+    _handshake,
+    _Peer,
+    _send_chunks,
+    batch_bytes,
+)
+from indexer.router.mutations import (
+    Backfill,
+    BackfillRequired,
+    Item,
+    MutationError,
+    MutationManager,
+)
+from indexer.router.source import SourceLog, decode_document
+
+log = logging.getLogger("indexer.router")
+
+BACKFILL_CHUNK_ITEMS = 2048
+"""Versions read from the source log per backfill chunk (one log read in a worker thread)."""
+
+BACKFILL_QUEUE_CHUNKS = 4
+"""Chunks read ahead of the sender per connection: the bound of the backfill queue."""
+
+SNAPSHOTS_PER_TURN = 4
+"""Memory snapshots one vbucket sends before the next vbucket's turn."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackfillChunk:
+    """Source-log versions of one vbucket: seqnos start..end, every version in between.
+
+    `last`: the backfill reached the seqno it was asked to reach.
+    """
+
+    vbucket: int
+    start: int
+    end: int
+    versions: list[tuple[int, Document]]
+    last: bool
+
+
+def read_backfill_chunk(
+    source: SourceLog, vbucket: int, after: int, until: int, max_items: int
+) -> BackfillChunk:
+    """The log's versions of `vbucket` after `after`, at most `max_items`, none above `until`
+    (blocking: run it in a worker thread)."""
+    with closing(source.read(vbucket, after)) as versions:
+        taken = list(islice(takewhile(lambda v: v[0] <= until, versions), max_items))
+    # Fewer than asked for: the log has nothing more up to `until`.
+    end = taken[-1][0] if len(taken) == max_items else until
+    return BackfillChunk(vbucket, after + 1, end, taken, end >= until)
+
+
+def document_of(item: Item) -> Document:
+    """The document a Mutation Manager item holds (its payload is the source log's encoding)."""
+    if item.payload is None:
+        return Document(item.docid.decode(), None)
+    return decode_document(item.payload)
+
+
+class NodeCursors:
+    """One connection's cursors (sans-IO): memory snapshots and backfill chunks in, frames out.
+
+    Every vbucket gets a cursor at its restart seqno, so vbuckets first written after the
+    handshake are streamed too. `requests` collects the backfills to start.
+    """
+
+    def __init__(
+        self,
+        reply: p.HandshakeReply,
+        source: SourceLog,
+        mm: MutationManager,
+        consumer: str,
+        batch_records: int = BATCH_RECORDS,
+    ) -> None:
+        self.source = source
+        self.mm = mm
+        self.consumer = consumer
+        self.records = RecordEncoder(reply.indexes)
+        self.batch_bytes = batch_bytes(reply)
+        self.batch_records = batch_records
+        self.begun: set[int] = set()
+        self.backfilling: dict[int, Backfill] = {}
+        self.requests: list[Backfill] = []
+        self.sent = 0
+        self.backfilled = 0
+        self.skipped = 0
+        restart = {position.vbucket: position.seqno for position in reply.restart}
+        self.vbuckets = list(range(reply.num_vbuckets))
+        try:
+            for vb in self.vbuckets:
+                seqno = restart.get(vb, 0)
+                if seqno > mm.high_seqno(vb):
+                    raise FeedError(
+                        f"vbucket {vb}: the indexer holds seqno {seqno} but the source log ends"
+                        f" at {mm.high_seqno(vb)}: it has history this log does not"
+                    )
+                self.skipped += seqno
+                backfill = mm.register(consumer, vb, seqno)
+                if backfill is not None:
+                    self._start_backfill(backfill)
+        except BaseException:
+            mm.unregister_consumer(consumer)
+            raise
+
+    def close(self) -> None:
+        """The connection is gone: its cursors stop pinning memory."""
+        self.mm.unregister_consumer(self.consumer)
+
+    def take_requests(self) -> list[Backfill]:
+        requests, self.requests = self.requests, []
+        return requests
+
+    def _start_backfill(self, backfill: Backfill) -> None:
+        self.backfilling[backfill.vbucket] = backfill
+        self.requests.append(backfill)
+
+    def memory_chunks(self) -> Iterator[tuple[list[bytes], int]]:
+        """(frames, items) of what memory holds for every cursor it serves, vbuckets in turn."""
+        mm = self.mm
+        for vb in self.vbuckets:
+            if vb in self.backfilling or not mm.pending(self.consumer, vb):
+                continue
+            try:
+                snapshots = mm.read(self.consumer, vb, SNAPSHOTS_PER_TURN)
+            except BackfillRequired as exc:  # dropped over the memory cap since the last turn
+                self._start_backfill(exc.backfill)
+                continue
+            for snapshot in snapshots:
+                versions = [(item.seqno, document_of(item)) for item in snapshot.items]
+                self.sent += len(versions)
+                yield from self._snapshot_frames(vb, snapshot.start, snapshot.end, versions)
+
+    def backfill_chunks(self, chunk: BackfillChunk) -> Iterator[tuple[list[bytes], int]]:
+        """(frames, items) of a backfill chunk; after its last one the cursor rejoins memory."""
+        self.backfilled += len(chunk.versions)
+        if chunk.versions:
+            yield from self._snapshot_frames(chunk.vbucket, chunk.start, chunk.end, chunk.versions)
+        if chunk.last:
+            del self.backfilling[chunk.vbucket]
+            following = self.mm.rejoin(self.consumer, chunk.vbucket, chunk.end)
+            if following is not None:  # memory moved on meanwhile: backfill on
+                self._start_backfill(following)
+
+    def _snapshot_frames(
+        self, vb: int, start: int, end: int, versions: Sequence[tuple[int, Document]]
+    ) -> Iterator[tuple[list[bytes], int]]:
+        """SNAPSHOT_MARKER(start, end), then the versions in MUTATIONS frames of bounded size."""
+        frames: list[bytes] = []
+        if vb not in self.begun:
+            self.begun.add(vb)
+            frames.append(p.encode(p.StreamBegin(vb, self.source.vbuuid(vb))))
+        frames.append(p.encode(p.SnapshotMarker(vb, start, end)))
+        nkeys = self.records.nkeys
+        batch: list[bytes] = []
+        size = 0
+        for seqno, document in versions:
+            record = self.records.record(seqno, document)
+            if len(record) > self.batch_bytes:
+                raise FeedError(f"document {document.docid!r}: its index keys exceed a frame")
+            full = len(batch) >= self.batch_records or size + len(record) > self.batch_bytes
+            if batch and full:
+                frames.append(p.encode_mutations(vb, nkeys, batch))
+                yield frames, len(batch)
+                frames, batch, size = [], [], 0
+            batch.append(record)
+            size += len(record)
+        if batch:
+            frames.append(p.encode_mutations(vb, nkeys, batch))
+        yield frames, len(batch)
+
+    def ends(self) -> list[bytes]:
+        """STREAM_END of every vbucket begun."""
+        return [p.encode(p.StreamEnd(vb, self.source.vbuuid(vb))) for vb in sorted(self.begun)]
+
+
+class Wakeup:
+    """An event that can be set any number of times and waited on again after each wake."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = trio.Event()
+
+
+async def _backfill(
+    source: SourceLog,
+    requests: trio.MemoryReceiveChannel[Backfill],
+    chunks: trio.MemorySendChannel[BackfillChunk],
+    wakeup: Wakeup,
+    max_items: int,
+) -> None:
+    """Read the source log for each backfill request into the bounded chunk queue."""
+    async for backfill in requests:
+        after = backfill.after
+        while True:
+            chunk = await trio.to_thread.run_sync(
+                read_backfill_chunk, source, backfill.vbucket, after, backfill.until, max_items
+            )
+            await chunks.send(chunk)
+            wakeup.set()
+            if chunk.last:
+                break
+            after = chunk.end
+
+
+async def _forward_appends(next_change: Callable[[], trio.Event], wakeup: Wakeup) -> None:
+    while True:
+        await next_change().wait()
+        wakeup.set()
+
+
+@dataclass
+class NodeProgress:
+    """What `/stats` shows of one node's connection."""
+
+    connected: bool = False
+    sent: int = 0
+    backfilled: int = 0
+    backfilling: int = 0
+    connections: int = 0
+
+
+async def follow_memory(
+    host: str,
+    port: int,
+    source: SourceLog,
+    mm: MutationManager,
+    next_change: Callable[[], trio.Event],
+    *,
+    consumer: str,
+    router_name: str = "indexer-router",
+    on_rollback: Callable[[int, int], None] | None = None,
+    on_connected: Callable[[p.HandshakeReply, int], None] | None = None,
+    progress: NodeProgress | None = None,
+    backfill_items: int = BACKFILL_CHUNK_ITEMS,
+) -> NoReturn:
+    """Stream to the indexer at host:port from the Mutation Manager, backfilling from `source`
+    where memory does not reach, until cancelled or a FeedError (one connection, no retry).
+
+    `next_change()` is the event the next write to the manager sets. `on_connected(reply, n)`
+    is called after the handshake with the number of vbuckets that start with a backfill.
+    """
+    n = source.num_vbuckets
+    settings = FeedSettings(router_name=router_name, num_vbuckets=n, on_rollback=on_rollback)
+    vbuckets = source.vbuckets_with_history()
+    logs = {vb: source.failover_log(vb) for vb in vbuckets}
+    handshake = p.Handshake(router_name, n, tuple(range(n)), logs)
+    stats = progress if progress is not None else NodeProgress()
+
+    async def run(peer: _Peer) -> NoReturn:
+        reply = await _handshake(peer, handshake, settings)
+        try:
+            cursors = NodeCursors(reply, source, mm, consumer)
+        except MutationError as exc:
+            raise FeedError(f"the indexer's restart positions do not fit the log: {exc}") from None
+        stats.connected = True
+        stats.connections += 1
+        if on_connected is not None:
+            on_connected(reply, len(cursors.backfilling))
+        wakeup = Wakeup()
+        request_send, request_receive = trio.open_memory_channel[Backfill](math.inf)
+        chunk_send, chunk_receive = trio.open_memory_channel[BackfillChunk](BACKFILL_QUEUE_CHUNKS)
+        idle = False
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peer.read_acks)
+                nursery.start_soon(_forward_appends, next_change, wakeup)
+                nursery.start_soon(
+                    _backfill, source, request_receive, chunk_send, wakeup, backfill_items
+                )
+                while True:
+                    moved = 0
+                    for backfill in cursors.take_requests():
+                        request_send.send_nowait(backfill)
+                    while True:
+                        try:
+                            chunk = chunk_receive.receive_nowait()
+                        except trio.WouldBlock:
+                            break
+                        moved += await _send(peer, cursors.backfill_chunks(chunk))
+                        moved += 1
+                    moved += await _send(peer, cursors.memory_chunks())
+                    stats.sent = cursors.sent
+                    stats.backfilled = cursors.backfilled
+                    stats.backfilling = len(cursors.backfilling)
+                    if not moved and not cursors.requests:
+                        idle = True
+                        await wakeup.wait()
+                        idle = False
+        finally:
+            stats.connected = False
+            cursors.close()
+            # Between whole frames: release the vbuckets in an orderly way (best effort).
+            ends = cursors.ends()
+            if idle and ends:
+                with trio.move_on_after(END_TIMEOUT_S, shield=True):
+                    with suppress(Exception):
+                        await peer.stream.send_all(b"".join(ends))
+
+    await _connection(host, port, run)
+
+
+async def _send(peer: _Peer, chunks: Iterator[tuple[list[bytes], int]]) -> int:
+    """Send the chunks' frames; how many items they carried."""
+    count = 0
+
+    def counted() -> Iterator[tuple[list[bytes], int]]:
+        nonlocal count
+        for frames, items in chunks:
+            count += items
+            yield frames, items
+
+    await _send_chunks(peer, counted(), None)
+    return count
