@@ -150,6 +150,10 @@ class Connection:
             reg.last_in_stream[vb] = 0
             reg.marker_end[vb] = -1
             self.vbuckets.add(vb)
+            if vb not in reg.failover_logs:
+                # First used after the handshake (which had no log for it): its history is this
+                # branch from 0, so a later failover of it is compared against something.
+                reg.failover_logs[vb] = ((message.vbuuid, 0),)
             return message
         if type(message) is p.StreamEnd:
             self._check_streaming(message.vbucket)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from indexer.keys import MISSING, collate, field_value
@@ -202,3 +204,74 @@ def model(
             entry["missing"] = missing
         out.append(entry)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The long-running router
+
+WAIT_S = 60.0
+
+
+class Router:
+    """`indexer router` in a subprocess, its log in a file."""
+
+    def __init__(self, log_path: Path, *args: str) -> None:
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(indexer_command("router", *args), stderr=log)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_log(self, pattern: str, count: int = 1, timeout: float = WAIT_S) -> list[str]:
+        """The log's matches of `pattern` once there are `count` of them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = re.findall(pattern, self.log())
+            if len(found) >= count:
+                return found
+            assert self.proc.poll() is None, f"the router exited:\n{self.log()}"
+            assert time.monotonic() < deadline, f"no {pattern!r} x{count} in:\n{self.log()}"
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def routers(tmp_path: Path) -> Iterator[Any]:
+    started: list[Router] = []
+
+    def make(*args: str) -> Router:
+        router = Router(tmp_path / f"router{len(started)}.log", *args)
+        started.append(router)
+        return router
+
+    yield make
+    for router in started:
+        if router.proc.poll() is None:
+            router.proc.kill()
+            router.proc.wait()
+
+
+def scan(daemon: Daemon, name: str, consistency: str = "request_plus") -> list[dict[str, Any]]:
+    answer = httpx.get(
+        f"{daemon.url}/indexes/{name}/scan", params={"consistency": consistency}, timeout=60
+    )
+    assert answer.status_code == 200, answer.text
+    return [json.loads(line) for line in answer.text.splitlines() if line]
+
+
+def wait_equal(daemon: Daemon, documents: list[Document], timeout: float = WAIT_S) -> None:
+    """Until every index of the daemon equals the model of `documents` (request_plus scans)."""
+    want = {name: model(documents, paths) for name, paths in INDEXES.items()}
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {name: scan(daemon, name) for name in INDEXES}
+        if got == want:
+            return
+        assert time.monotonic() < deadline, {
+            name: (len(got[name]), len(want[name])) for name in INDEXES
+        }
+        time.sleep(0.2)

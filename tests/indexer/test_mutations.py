@@ -448,6 +448,7 @@ class MutationMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.history: dict[int, list[Item]] = {vb: [] for vb in VBUCKETS}
+        self.failed_over_at = dict.fromkeys(VBUCKETS, 0)  # a failover's seqno may have no item
         self.consumers: dict[tuple[str, int], Consumer] = {}
 
     @initialize(
@@ -460,7 +461,8 @@ class MutationMachine(RuleBasedStateMachine):
     # The model ------------------------------------------------------------------------------
 
     def high(self, vb: int) -> int:
-        return self.history[vb][-1].seqno if self.history[vb] else 0
+        last = self.history[vb][-1].seqno if self.history[vb] else 0
+        return max(last, self.failed_over_at[vb])
 
     def pick(self, data: st.DataObject, backfilling: bool = False) -> Consumer:
         keys = sorted(k for k, c in self.consumers.items() if c.backfilling or not backfilling)
@@ -615,6 +617,26 @@ class MutationMachine(RuleBasedStateMachine):
             assert got == Backfill(c.name, c.vb, c.position, floor)
             assert c.parked is None or c.parked == floor
             c.told, c.parked = c.position, floor
+
+    @rule(vb=st.sampled_from(VBUCKETS), data=st.data())
+    def failover(self, vb: int, data: st.DataObject) -> None:
+        """The source loses the vbucket's history above a seqno; its consumers reconnect."""
+        high = self.high(vb)
+        seqno = data.draw(st.integers(0, high), label="failover seqno")
+        self.history[vb] = [item for item in self.history[vb] if item.seqno <= seqno]
+        self.failed_over_at[vb] = seqno
+        self.mm.reset_vbucket(vb, seqno)
+        assert self.mm.floor(vb) == seqno == self.mm.high_seqno(vb)
+        for key in [k for k in self.consumers if k[1] == vb]:
+            c = self.consumers.pop(key)  # the consumer rolls back and registers again
+            position = min(c.position, seqno)
+            assert self.mm.register(c.name, vb, position) == (
+                None if position == seqno else Backfill(c.name, vb, position, seqno)
+            )
+            fresh = Consumer(c.name, vb, position, latest(self.history[vb], position))
+            if position < seqno:
+                fresh.backfilling, fresh.told, fresh.parked = True, position, seqno
+            self.consumers[key] = fresh
 
     @precondition(has_consumers)
     @rule(data=st.data())

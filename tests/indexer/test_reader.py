@@ -143,3 +143,13 @@ def test_markers_do_not_overlap() -> None:
     conn.accept(mutations(1, [5, 6]))
     assert refused(conn, p.SnapshotMarker(1, 7, 12)) is ErrorCode.SEQNO_BACKWARDS
     assert conn.accept(p.SnapshotMarker(1, 11, 12)) == p.SnapshotMarker(1, 11, 12)
+
+
+def test_a_vbucket_first_streamed_after_the_handshake_gets_its_branch_as_history() -> None:
+    registry = StreamRegistry(list(range(8)), [0] * N, {2: ((7, 0),)})
+    conn = connection(registry)
+    conn.accept(p.StreamBegin(3, 99))
+    conn.accept(p.StreamBegin(2, 8))
+    # A later failover of vbucket 3 is compared against branch 99 from seqno 0; the history
+    # vbucket 2 already had is the handshake's business, not a stream's.
+    assert registry.failover_logs == {2: ((7, 0),), 3: ((99, 0),)}

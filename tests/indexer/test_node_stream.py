@@ -1,0 +1,185 @@
+"""One node's stream from the router (indexer/router/node_stream.py), without sockets: a real
+source log and Mutation Manager in, frames out, decoded and checked against the log."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from indexer import protocol as p
+from indexer.keys import index_key
+from indexer.router.documents import Document
+from indexer.router.mutations import MutationManager
+from indexer.router.node_stream import NodeCursors, read_backfill_chunk
+from indexer.router.source import SourceLog, encode_document
+
+N = 4
+INDEX = p.IndexDefinition("by_age", ("age",))
+
+
+def reply(restart: dict[int, int] | None = None) -> p.HandshakeReply:
+    positions = tuple(p.VbucketPosition(vb, s, 0) for vb, s in sorted((restart or {}).items()))
+    return p.HandshakeReply((INDEX,), N, tuple(range(N)), positions, max_frame_bytes=4096)
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Iterator[SourceLog]:
+    with SourceLog(tmp_path / "state", N) as log:
+        yield log
+
+
+def append(source: SourceLog, mm: MutationManager, documents: list[Document]) -> None:
+    """What the router's Appender does: the log first, then the manager."""
+    before = {vb: source.high_seqno(vb) for vb in range(N)}
+    source.append(documents)
+    for vb in range(N):
+        for seqno, document in source.read(vb, before[vb]):
+            payload = None if document.body is None else encode_document(document)
+            mm.write(vb, seqno, document.docid.encode(), payload)
+
+
+class Consumer:
+    """An indexer as the frames describe it: per vbucket the last seqno and every doc's key."""
+
+    def __init__(self) -> None:
+        self.decoder = p.FrameDecoder()
+        self.last = dict.fromkeys(range(N), 0)
+        self.marker: dict[int, tuple[int, int]] = {}
+        self.keys: dict[bytes, bytes] = {}
+        self.begun: set[int] = set()
+
+    def take(self, chunks: Iterator[tuple[list[bytes], int]]) -> int:
+        items = 0
+        for frames, count in chunks:
+            items += count
+            for frame in frames:
+                self.decoder.feed(frame)
+            for message in self.decoder.messages():
+                self.check(message)
+        return items
+
+    def check(self, message: p.Message) -> None:
+        if isinstance(message, p.StreamBegin):
+            self.begun.add(message.vbucket)
+        elif isinstance(message, p.SnapshotMarker):
+            vb = message.vbucket
+            assert vb in self.begun
+            assert message.start == self.last[vb] + 1, "no gap, nothing twice"
+            self.marker[vb] = (message.start, message.end)
+            self.last[vb] = message.start - 1
+        elif isinstance(message, p.MutationBatch):
+            vb = message.vbucket
+            end = self.marker[vb][1]
+            for record in message.mutations():
+                assert self.last[vb] < record.seqno <= end
+                self.last[vb] = record.seqno
+                self.keys[record.docid] = record.keys[0]
+            if self.last[vb] == end:
+                del self.marker[vb]
+        else:
+            raise AssertionError(message)
+
+    def expected(self, source: SourceLog) -> dict[bytes, bytes]:
+        out = {}
+        for docid, document in source.surviving_documents().items():
+            key = b"" if document.body is None else index_key(document.body, INDEX.keys)
+            out[docid.encode()] = key
+        return out
+
+
+def docs(start: int, count: int, ids: int = 50, ages: int = 7) -> list[Document]:
+    out = []
+    for i in range(start, start + count):
+        docid = f"d{i % ids}"
+        if i % 11 == 0:
+            out.append(Document(docid, None))
+        else:
+            out.append(Document(docid, {"age": i % ages, "pad": "x" * (i % 13)}))
+    return out
+
+
+def backfill_all(cursors: NodeCursors, consumer: Consumer, max_items: int) -> int:
+    """Serve every backfill request as the backfill task would, chunk by chunk."""
+    served = 0
+    while cursors.requests:
+        for backfill in cursors.take_requests():
+            after = backfill.after
+            while True:
+                chunk = read_backfill_chunk(
+                    cursors.source, backfill.vbucket, after, backfill.until, max_items
+                )
+                consumer.take(cursors.backfill_chunks(chunk))
+                served += 1
+                if chunk.last:
+                    break
+                after = chunk.end
+    return served
+
+
+def test_memory_then_a_restart_below_memory_backfills_then_rejoins(source: SourceLog) -> None:
+    mm = MutationManager(capacity=1 << 30)
+    append(source, mm, docs(0, 300, ids=250))
+    first = Consumer()
+    cursors = NodeCursors(reply(), source, mm, "a")
+    assert not cursors.requests  # memory holds everything since 0
+    assert first.take(cursors.memory_chunks()) > 0
+    assert first.last == {vb: source.high_seqno(vb) for vb in range(N)}
+    cursors.close()
+    # A restarted manager holds nothing below its start: a node resuming earlier backfills.
+    highs = {vb: source.high_seqno(vb) for vb in range(N)}
+    mm = MutationManager(capacity=1 << 30, high_seqnos=highs)
+    append(source, mm, docs(300, 100, ids=250))
+    restart = {vb: highs[vb] // 2 for vb in range(N)}
+    second = Consumer()
+    second.last = dict(restart)
+    for vb in range(N):  # what the node holds: the log up to its restart seqnos
+        for seqno, document in source.read(vb):
+            if seqno <= restart[vb]:
+                body = document.body
+                key = b"" if body is None else index_key(body, INDEX.keys)
+                second.keys[document.docid.encode()] = key
+    cursors = NodeCursors(reply(restart), source, mm, "b")
+    assert {b.vbucket for b in cursors.requests} == set(range(N))
+    assert second.take(cursors.memory_chunks()) == 0  # every vbucket waits for its backfill
+    assert backfill_all(cursors, second, max_items=16) > N
+    assert not cursors.backfilling
+    second.take(cursors.memory_chunks())
+    assert second.last == {vb: source.high_seqno(vb) for vb in range(N)}
+    assert second.keys == second.expected(source)
+    assert cursors.backfilled > 0 and cursors.sent > 0
+
+
+def test_a_cursor_dropped_over_the_cap_reads_the_log_and_nothing_is_lost(
+    source: SourceLog,
+) -> None:
+    mm = MutationManager(capacity=4_000, item_overhead=16)
+    fast, slow = Consumer(), Consumer()
+    fast_cursors = NodeCursors(reply(), source, mm, "fast")
+    slow_cursors = NodeCursors(reply(), source, mm, "slow")
+    for round_ in range(6):
+        append(source, mm, docs(round_ * 200, 200))
+        fast.take(fast_cursors.memory_chunks())
+        assert mm.memory <= mm.capacity
+    assert mm.stats().cursors_dropped > 0
+    slow.take(slow_cursors.memory_chunks())  # finds its cursors dropped
+    assert slow_cursors.requests
+    backfill_all(slow_cursors, slow, max_items=50)
+    slow.take(slow_cursors.memory_chunks())
+    expected = fast.expected(source)
+    # Deleted documents the consumer never had are not in its keys; compare what exists.
+    live = {d: k for d, k in expected.items() if k}
+    for consumer in (fast, slow):
+        assert consumer.last == {vb: source.high_seqno(vb) for vb in range(N)}
+        assert {d: k for d, k in consumer.keys.items() if k} == live
+
+
+def test_a_restart_ahead_of_the_log_is_refused(source: SourceLog) -> None:
+    from indexer.router.feed import FeedError
+
+    mm = MutationManager(capacity=1 << 20)
+    append(source, mm, docs(0, 10))
+    with pytest.raises(FeedError, match="has history this log does not"):
+        NodeCursors(reply({0: 10_000}), source, mm, "a")
+    assert all(mm.cursors(vb) == [] for vb in range(N))  # nothing left registered
