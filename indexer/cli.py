@@ -332,6 +332,15 @@ def _feed_state(
     type=click.IntRange(1, 65536),
     help="Vbuckets of a new --state log (default 1024; an existing log keeps its count).",
 )
+@click.option("--generate", type=click.IntRange(1), help="Also append N generated mutations.")
+@click.option("--keys", type=click.IntRange(1), help="Key space of --generate (default N/5).")
+@click.option("--delete-ratio", type=click.FloatRange(0, 1), default=0.1, show_default=True)
+@click.option("--seed", type=int, default=42, show_default=True)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Generate about this many mutations per second (default: as fast as appended).",
+)
 @click.option(
     "--memory-mb",
     type=click.FloatRange(0.01, 1 << 20),
@@ -346,15 +355,23 @@ def router(
     follow: bool,
     http_address: str | None,
     vbuckets: int | None,
+    generate: int | None,
+    keys: int | None,
+    delete_ratio: float,
+    seed: int,
+    rate: float | None,
     memory_mb: float,
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
     stream it to every --to node, then each new document as it comes."""
-    from indexer.router import SourceError, SourceLog
+    from indexer.router import SourceError, SourceLog, Workload
     from indexer.router.service import RouterOptions, run_router
 
     if follow and jsonl is None:
         fail("--follow needs --jsonl FILE", 2)
+    if rate is not None and generate is None:
+        fail("--rate needs --generate N", 2)
+    workload = None if generate is None else Workload(generate, keys or 0, delete_ratio, seed)
     addresses = []
     for value in targets:
         try:
@@ -375,7 +392,15 @@ def router(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    options = RouterOptions(addresses, jsonl, follow, http, memory_bytes=int(memory_mb * (1 << 20)))
+    options = RouterOptions(
+        addresses,
+        jsonl,
+        follow,
+        http,
+        memory_bytes=int(memory_mb * (1 << 20)),
+        generate=workload,
+        rate=rate,
+    )
     try:
         log = SourceLog(state, vbuckets)
     except SourceError as exc:

@@ -19,6 +19,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,14 @@ from indexer.router.feed import RECONNECT_CODES, FeedError
 from indexer.router.mutations import MutationManager
 from indexer.router.node_stream import NodeProgress, follow_memory
 from indexer.router.source import SourceError, SourceLog, encode_document
+from indexer.router.workload import Workload, generate
 
 log = logging.getLogger("indexer.router")
 
 ROUTER_NAME = "indexer-router"
 READ_BYTES = 1 << 20  # of the JSONL input per read, appended as one synced batch
+GENERATE_BATCH = 10_000  # generated documents appended as one synced batch
+RATE_TICK_S = 0.05  # a rate-limited generator appends what is due this often
 POLL_S = 0.2  # how often a followed file at its end is looked at again
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
@@ -56,6 +60,8 @@ class RouterOptions:
     http: Address | None = None
     router_name: str = ROUTER_NAME
     memory_bytes: int = DEFAULT_MEMORY_BYTES
+    generate: Workload | None = None
+    rate: float | None = None  # generated documents per second; None: as fast as appended
 
 
 class LineSplitter:
@@ -213,6 +219,26 @@ class Nodes:
         """Close every connection; each node task connects again at once (a new handshake)."""
         for scope in self.scopes.values():
             scope.cancel()
+
+
+async def generate_input(workload: Workload, rate: float | None, appender: Appender) -> None:
+    """Append the workload's documents: in batches as fast as the log takes them, or about
+    `rate` per second in small batches (a steady feed for demos and benchmarks)."""
+    documents = generate(workload)
+    started = trio.current_time()
+    total = 0
+    while True:
+        if rate is None:
+            size = GENERATE_BATCH
+        else:
+            await trio.sleep(RATE_TICK_S)
+            size = min(int((trio.current_time() - started) * rate) - total, GENERATE_BATCH)
+        batch = list(islice(documents, max(size, 0)))
+        await appender.append(batch)
+        total += len(batch)
+        if size > 0 and len(batch) < size:
+            log.info("generated %d documents", total)
+            return
 
 
 async def stream_to_node(
@@ -451,6 +477,8 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                 )
             if options.jsonl is not None:
                 nursery.start_soon(read_jsonl_input, options.jsonl, options.follow, appender)
+            if options.generate is not None:
+                nursery.start_soon(generate_input, options.generate, options.rate, appender)
             log.info(
                 "router running: source log in %s, %d vbuckets; streaming to %s",
                 source.path,

@@ -177,12 +177,32 @@ def test_a_bad_line_is_logged_and_skipped(
     assert daemon.stop() == 0
 
 
+def test_the_generator_input_reaches_the_daemon_at_its_rate(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory().start()
+    workload = Workload(3_000, 700, 0.1, 61)
+    started = time.monotonic()
+    router = routers(
+        "--state", str(tmp_path / "state"), "--to", daemon.address,
+        "--generate", "3000", "--keys", "700", "--seed", "61", "--rate", "3000",
+    )  # fmt: skip
+    router.wait_log(r"generated 3000 documents")
+    # About a second at 3,000 a second: not all at once, and not stalled.
+    assert 0.7 < time.monotonic() - started < 30
+    wait_equal(daemon, list(generate(workload)))
+    assert router.stop() == 0
+    assert daemon.stop() == 0
+
+
 def test_bad_router_commands_fail_with_one_line(tmp_path: Path) -> None:
     for args, message in (
         (["--state", str(tmp_path / "s")], "Missing option '--to'"),
         (["--state", str(tmp_path / "s"), "--to", "nowhere"], "--to: 'nowhere' is not HOST:PORT"),
         (["--state", str(tmp_path / "s"), "--to", "h:1", "--to", "h:1"], "h:1 is given twice"),
         (["--state", str(tmp_path / "s"), "--to", "h:1", "--follow"], "--follow needs --jsonl"),
+        (["--state", str(tmp_path / "s"), "--to", "h:1", "--rate", "5"], "--rate needs --generate"),
+        (["--state", str(tmp_path / "s"), "--to", "h:1", "--memory-mb", "0"], "--memory-mb"),
     ):
         result = subprocess.run(
             indexer_command("router", *args), capture_output=True, text=True, timeout=30
