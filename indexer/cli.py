@@ -491,6 +491,46 @@ def stats(url: str | None, config_file: Path | None) -> None:
     click.echo(json.dumps(_get_json(_http_url(url, config_file), "/stats"), indent=2))
 
 
+@main.command()
+@URL_OPTION
+@CONFIG_OPTION
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Compact this data directory in-process instead (no daemon may hold it).",
+)
+def compact(url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
+    """Compact the store of a running daemon (POST /compact), or of a data directory no daemon
+    holds; prints the bytes on disk before and after as JSON."""
+    import json
+
+    if data_dir is None:
+        import httpx
+
+        base = _http_url(url, config_file)
+        try:
+            response = httpx.post(f"{base}/compact", timeout=None)
+        except httpx.HTTPError as exc:
+            fail(f"cannot reach the daemon at {base}: {exc}")
+        if response.status_code != 200:
+            _http_error(response)
+        click.echo(json.dumps(response.json()))
+        return
+    if url is not None:
+        fail("give --url or --data-dir, not both", 2)
+    from indexer.compaction import compact_store
+    from indexer.storage import IndexStore, StoreError, StoreLockedError
+
+    try:
+        with IndexStore(data_dir, create=False) as store:
+            result = compact_store(store, "requested")
+    except StoreLockedError as exc:
+        fail(f"cannot compact in-process while a daemon runs (use --url): {exc}")
+    except StoreError as exc:
+        fail(str(exc))
+    click.echo(json.dumps(result.as_dict()))
+
+
 @main.command("list-indexes")
 @URL_OPTION
 @CONFIG_OPTION

@@ -59,6 +59,11 @@ class SnapshotConfig:
 
 
 @dataclass(frozen=True)
+class CompactionConfig:
+    interval_s: float  # 0: only on demand
+
+
+@dataclass(frozen=True)
 class SlabConfig:
     pool_bytes: int
     slab_bytes: int
@@ -82,6 +87,7 @@ class Config:
     slab: SlabConfig
     memory: MemoryConfig
     indexes: tuple[IndexDefinition, ...]
+    compaction: CompactionConfig = CompactionConfig(3600.0)
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any], where: str = "") -> dict[str, Any]:
@@ -264,7 +270,10 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         min_available_bytes=m.size("min_available", total),
         sample_interval_s=m.integer("sample_interval_ms", 1, 60_000) / 1000,
     )
-    return Config(server, pipeline, snapshots, slab, memory, _indexes(raw.get("indexes", {})))
+    c = _Section(raw["compaction"], "compaction")
+    compaction = CompactionConfig(interval_s=c.integer("interval_minutes", 0, 525_600) * 60.0)
+    indexes = _indexes(raw.get("indexes", {}))
+    return Config(server, pipeline, snapshots, slab, memory, indexes, compaction)
 
 
 def load_config(path: Path | None) -> Config:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import trio
 
 from indexer.catalog import IndexCatalog
+from indexer.compaction import Compactor
 from indexer.config import Config
 from indexer.dispatch import dispatch
 from indexer.http import DaemonView, HttpApi
@@ -199,10 +200,13 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             timekeeper,
             config.snapshots.in_memory_interval_s,
             catalog,
+            Compactor(store, config.compaction.interval_s),
         )
         try:
             async with trio.open_nursery() as services:
                 services.start_soon(throttle.run)
+                assert view.compactor is not None
+                services.start_soon(view.compactor.run)
                 http_port = await services.start(_serve_http, config, HttpApi(view))
                 async with trio.open_nursery() as keeping:
                     keeping.start_soon(timekeeper.run)

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from indexer.catalog import CatalogError, IndexCatalog
+from indexer.compaction import Compactor
 from indexer.config import FIELD_PATH, INDEX_NAME, MAX_KEYS
 from indexer.protocol import IndexDefinition
 from indexer.reader import StreamRegistry
@@ -103,6 +104,7 @@ class DaemonView:
     timekeeper: Timekeeper
     in_memory_interval_s: float
     catalog: IndexCatalog | None = None
+    compactor: Compactor | None = None
     ready: bool = False
 
 
@@ -164,6 +166,12 @@ class HttpApi:
             _only(method, "DELETE")
             await self._catalog_call(self._catalog().drop(match.group(1)))
             await _respond(send, 204, b"", "text/plain")
+        elif path == "/compact":
+            _only(method, "POST")
+            if self.view.compactor is None:
+                raise ApiError(503, "compaction is not available")
+            result = await self.view.compactor.compact()
+            await _json(send, 200, result.as_dict())
         elif path == "/snapshots":
             _only(method, "GET")
             await _json(send, 200, self.snapshot_list())
@@ -491,6 +499,7 @@ class HttpApi:
                 "seqno_sum": snaps.persisted.total,
                 "snapshot": snaps.persisted_snapshot.number if snaps.persisted_snapshot else None,
             },
+            "compaction": None if v.compactor is None else v.compactor.statistics(),
             "snapshots": asdict(snaps.statistics()),
             "queues": [asdict(w.statistics()) for w in v.workers],
             "slab": asdict(v.pool.statistics()),

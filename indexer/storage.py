@@ -230,6 +230,10 @@ class IndexStore:
         """A plyvel WriteBatch; `write()` on it releases the GIL."""
         return self.db.write_batch()
 
+    def compact(self) -> None:
+        """Compact every level of the store (blocking: LevelDB rewrites what is live)."""
+        self.db.compact_range()
+
     def sync(self) -> None:
         """Make every earlier write durable (a synchronous write syncs LevelDB's log)."""
         self.db.put(_META_SYNC, b"", sync=True)

@@ -1,0 +1,48 @@
+"""The compactor's schedule and its measurements, on a real LevelDB store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+from indexer.compaction import Compactor, compact_store, disk_bytes
+from indexer.protocol import IndexDefinition
+from indexer.storage import IndexStore
+
+
+def fill(store: IndexStore, rounds: int) -> None:
+    for r in range(rounds):
+        puts = [(b"k%06d" % i, b"v%d" % r * 50) for i in range(5_000)]
+        store.write(puts, [])
+
+
+def test_a_compaction_reports_the_space_it_frees(tmp_path: Path) -> None:
+    with IndexStore(tmp_path) as store:
+        store.ensure_indexes([IndexDefinition("a", ("x",))])
+        fill(store, 6)  # six versions of every key: five are garbage
+        result = compact_store(store, "requested")
+        assert result.bytes_before > result.bytes_after > 0
+        assert result.bytes_after == disk_bytes(store.path)
+        assert store.get(b"k000001") == b"v5" * 50
+
+
+def test_the_schedule_compacts_every_interval_and_never_when_off(tmp_path: Path) -> None:
+    with IndexStore(tmp_path) as store:
+        fill(store, 2)
+        scheduled = Compactor(store, 0.2)
+        off = Compactor(store, 0.0)
+
+        async def main() -> None:
+            with trio.move_on_after(1.0):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(scheduled.run)
+                    nursery.start_soon(off.run)
+            # Asked for while none runs: it runs at once, one at a time.
+            await off.compact()
+
+        trio.run(main)
+        assert 2 <= scheduled.runs <= 5 and scheduled.last is not None
+        assert scheduled.last.reason == "scheduled"
+        assert off.runs == 1 and off.statistics()["last"]["reason"] == "requested"
+        assert not off.statistics()["running"]
