@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/ingest.py
 	$(BIN)/python bench/scan.py
 	$(BIN)/python bench/rollback.py
+	$(BIN)/python bench/router.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache .hypothesis
