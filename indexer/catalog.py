@@ -1,4 +1,4 @@
-"""The index catalog: creating and dropping indexes while the daemon runs.
+"""The index catalog: creating, building and dropping indexes while the daemon runs.
 
 Records carry one key per index, so a change of the index set happens between two epochs of
 the stream: routers are closed with INDEXES_CHANGED and new connections wait; an IndexChange
@@ -6,15 +6,21 @@ marker follows everything already received through the dispatcher to every worke
 records are written with the old definitions; then the writers, the back-index cache and the
 handshake switch to the new set, and routers reconnect, learn it, and resume from their restart
 timestamp (the daemon skips what it already has).
+
+An index created when the daemon already holds data is built first (indexer/build.py): it gets
+its own build stream and writer, and joins the maintained set by such a change once the build
+has caught up, completed exactly up to the timestamp at which maintenance stopped.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Awaitable, Callable
 
 import trio
 
+from indexer.build import IndexBuild
 from indexer.protocol import ErrorCode, IndexDefinition
 from indexer.reader import Reader
 from indexer.storage import IndexStore, StoredIndex, StoreError
@@ -23,6 +29,10 @@ from workers.flush import BackIndexCache, IndexWriter
 from workers.worker import IndexChange, StreamItem, Worker
 
 log = logging.getLogger("indexer.catalog")
+
+MERGE_TIMEOUT_S = 30.0
+"""How long maintenance may stay stopped for a build to reach its timestamp; past it the merge
+is given up and tried again once the build catches up again."""
 
 
 class CatalogError(Exception):
@@ -56,10 +66,59 @@ class IndexCatalog:
         self.cache = cache
         self.items = items
         self._lock = lock or trio.Lock()  # shared with the rollback: one change at a time
+        self.builds = reader.builds  # name -> build, shared with the reader and the HTTP API
+        self.cache_capacity = cache.capacity
+        self._caught_up, self._caught_up_receive = trio.open_memory_channel[IndexBuild](math.inf)
+        self._build_scopes: dict[str, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
+        self.merged = 0
+
+    def add_build(self, index: StoredIndex) -> IndexBuild:
+        """Start the initial build of a stored "building" index (at start-up or on create)."""
+        owned = [vb for vb, flag in enumerate(self.reader.registry.owned) if flag]
+        build = IndexBuild(self.store, index, owned, self.reader.registry, self.cache_capacity)
+        self.builds[build.name] = build
+        if self._nursery is not None:
+            self._nursery.start_soon(self._run_build, build)
+        return build
+
+    async def run(self) -> None:
+        """Run the builds and merge each once it has caught up; until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for build in self.builds.values():
+                nursery.start_soon(self._run_build, build)
+            async for build in self._caught_up_receive:
+                if self.builds.get(build.name) is build:
+                    try:
+                        await self.merge_build(build)
+                    except CatalogError as exc:  # shutting down
+                        log.info("index %s not merged: %s", build.name, exc.message)
+                        build.rearm()
+
+    async def _run_build(self, build: IndexBuild) -> None:
+        with trio.CancelScope() as scope:
+            self._build_scopes[build.name] = scope
+            try:
+                await build.run(self._caught_up)
+            finally:
+                if self._build_scopes.get(build.name) is scope:
+                    del self._build_scopes[build.name]
+
+    def _stop_build(self, name: str, message: str, code: ErrorCode = ErrorCode.BUILD_DONE) -> None:
+        scope = self._build_scopes.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+        self.builds.pop(name, None)
+        self.reader.close_builds(name, code, message)
 
     async def create(self, definition: IndexDefinition) -> StoredIndex:
-        if any(i.definition.name == definition.name for i in self.indexes):
+        if any(i.definition.name == definition.name for i in self.indexes) or (
+            definition.name in self.builds
+        ):
             raise CatalogError(409, f"an index named {definition.name!r} exists")
+        if sum(self.reader.registry.received) > 0:
+            return await self._create_building(definition)
         created: list[StoredIndex] = []
 
         def apply() -> None:
@@ -71,14 +130,88 @@ class IndexCatalog:
 
         await self._change(apply)
         log.info(
-            "index %s(%s)%s created: it indexes mutations streamed from now on",
+            "index %s(%s)%s created (nothing streamed yet: no build needed)",
             definition.name,
             ", ".join(definition.keys),
             "" if definition.where is None else f" WHERE {definition.where}",
         )
         return created[0]
 
+    async def _create_building(self, definition: IndexDefinition) -> StoredIndex:
+        async with self._lock:
+            try:
+                stored = self.store.create_index(definition, "building")
+            except StoreError as exc:
+                raise CatalogError(409, str(exc)) from None
+            self.add_build(stored)
+            # Routers learn of the build on their next handshake: ask for one now.
+            self.reader.close_connections(
+                ErrorCode.INDEXES_CHANGED,
+                f"index {definition.name} is being built: handshake again",
+            )
+            try:
+                while self.reader.connected:
+                    await trio.sleep(0.01)
+            finally:
+                self.reader.reopen(self.reader.indexes)
+        log.info(
+            "index %s(%s)%s created: building it over the data already streamed",
+            definition.name,
+            ", ".join(definition.keys),
+            "" if definition.where is None else f" WHERE {definition.where}",
+        )
+        return stored
+
+    async def merge_build(self, build: IndexBuild) -> bool:
+        """Make a caught-up build's index active at the timestamp maintenance stops at."""
+        name = build.name
+
+        async def complete_build() -> None:
+            upto = list(self.reader.registry.received)
+            build.cap = upto  # the build stream's later mutations come again by maintenance
+            with trio.move_on_after(MERGE_TIMEOUT_S):
+                while not build.reached(upto):
+                    await build.wait_moved()
+            if not build.reached(upto):
+                raise _GiveUp(f"the build of {name} did not reach the maintenance timestamp")
+            # No build flush may land after maintenance starts writing this index.
+            scope = self._build_scopes.pop(name, None)
+            if scope is not None:
+                scope.cancel()
+
+        def apply() -> None:
+            stored = self.store.activate(name)
+            self.indexes.append(stored)
+            self.cache.add_built_index(build.cache)
+            self.timekeeper.entry_counts.append(build.entries)
+            self.timekeeper.forget_recovery_points()
+            build.state = "merged"
+            del self.builds[name]
+
+        try:
+            await self._change(apply, complete_build)
+        except _GiveUp as exc:
+            build.rearm()
+            log.warning("%s; maintenance resumed, merging later", exc)
+            return False
+        # The readable snapshot predates the build's last writes: scans must see them.
+        if not await self.timekeeper.republish():
+            log.info("index %s: readable with the next snapshot", name)
+        self.reader.close_builds(name, ErrorCode.BUILD_DONE, f"index {name} is built")
+        await trio.to_thread.run_sync(build.forget)
+        self.merged += 1
+        log.info(
+            "index %s built: %d mutations from its build stream; active from seqno sum %d",
+            name,
+            build.items,
+            sum(build.cap or ()),
+        )
+        return True
+
     async def drop(self, name: str) -> None:
+        if name in self.builds:
+            await self._drop_building(name)
+            return
         position = next((j for j, i in enumerate(self.indexes) if i.definition.name == name), None)
         if position is None:
             raise CatalogError(404, f"no index named {name!r}")
@@ -94,7 +227,30 @@ class IndexCatalog:
         deleted = await trio.to_thread.run_sync(self.store.delete_entries, dropped[0])
         log.info("index %s dropped: %d entries deleted", name, deleted)
 
-    async def _change(self, apply: Callable[[], None]) -> None:
+    async def _drop_building(self, name: str) -> None:
+        async with self._lock:
+            build = self.builds[name]
+            self._stop_build(name, f"index {name} was dropped")
+            dropped = self.store.drop_index(name)
+        await trio.to_thread.run_sync(build.forget)
+        deleted = await trio.to_thread.run_sync(self.store.delete_entries, dropped)
+        log.info("index %s dropped during its build: %d entries deleted", name, deleted)
+
+    async def restart_builds(self) -> None:
+        """After a rollback (pipeline stopped): every build starts again from zero."""
+        for name, build in list(self.builds.items()):
+            self._stop_build(
+                name, "the index rolled back: the build starts again", ErrorCode.ROLLBACK
+            )
+            await trio.to_thread.run_sync(build.forget)
+            await trio.to_thread.run_sync(self.store.delete_entries, build.index)
+            self.add_build(build.index)
+
+    async def _change(
+        self, apply: Callable[[], None], before: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Switch the index set between two epochs of the stream (see module doc); `before`
+        runs once everything received is written, while maintenance is stopped."""
         async with self._lock:
             self.reader.close_connections(
                 ErrorCode.INDEXES_CHANGED, "index definitions changed: handshake again"
@@ -109,6 +265,8 @@ class IndexCatalog:
                 except trio.ClosedResourceError:
                     raise CatalogError(503, "the daemon is shutting down") from None
                 await marker.wait()
+                if before is not None:
+                    await before()
 
                 def switch() -> None:
                     try:
@@ -123,3 +281,7 @@ class IndexCatalog:
                 await self.timekeeper.drain_all(switch)
             finally:
                 self.reader.reopen([i.definition for i in self.indexes])
+
+
+class _GiveUp(Exception):
+    """A merge that cannot complete now."""

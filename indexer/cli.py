@@ -537,7 +537,10 @@ def compact(url: str | None, config_file: Path | None, data_dir: Path | None) ->
 def list_indexes(url: str | None, config_file: Path | None) -> None:
     """List the indexes with their keys, state, entry counts and conditions."""
     for index in _get_json(_http_url(url, config_file), "/indexes")["indexes"]:
-        line = f"{index['name']}\t{','.join(index['keys'])}\t{index['state']}\t{index['entries']}"
+        state = index["state"]
+        if "build" in index:
+            state += f" {index['build']['percent']:g}%"
+        line = f"{index['name']}\t{','.join(index['keys'])}\t{state}\t{index['entries']}"
         click.echo(line + (f"\tWHERE {index['where']}" if index.get("where") else ""))
 
 
@@ -630,12 +633,31 @@ def scan(
 @click.argument("name")
 @click.option("--keys", required=True, help="Field paths of the key, comma-separated.")
 @click.option("--where", help='A condition for a partial index, like "age >= 18".')
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait until the index is active, with a progress bar while it is built.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=3600.0,
+    show_default=True,
+    help="Seconds --wait waits at most.",
+)
 @URL_OPTION
 @CONFIG_OPTION
 def create_index(
-    name: str, keys: str, where: str | None, url: str | None, config_file: Path | None
+    name: str,
+    keys: str,
+    where: str | None,
+    wait: bool,
+    timeout: float,
+    url: str | None,
+    config_file: Path | None,
 ) -> None:
-    """Create index NAME on a running daemon; it indexes what is streamed from now on."""
+    """Create index NAME on a running daemon. Over data already streamed it is built first
+    (state building, then catchup) and becomes active once caught up."""
     import httpx
 
     base = _http_url(url, config_file)
@@ -653,6 +675,33 @@ def create_index(
     click.echo(
         f"created {created['name']}({', '.join(created['keys'])}){condition}: {created['state']}"
     )
+    if wait and created["state"] != "active":
+        _wait_built(base, name, timeout)
+
+
+def _wait_built(base: str, name: str, timeout: float) -> None:
+    """Poll the index's state, showing its build progress, until it is active."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    shown = 0
+    with click.progressbar(length=100, label=f"building {name}", file=sys.stderr) as bar:
+        while True:
+            indexes = {i["name"]: i for i in _get_json(base, "/indexes")["indexes"]}
+            entry = indexes.get(name)
+            if entry is None:
+                fail(f"index {name} is gone (dropped during its build?)")
+            if entry["state"] == "active":
+                bar.update(100 - shown)
+                break
+            percent = int(entry.get("build", {}).get("percent", 0))
+            if percent > shown:
+                bar.update(percent - shown)
+                shown = percent
+            if time.monotonic() > deadline:
+                fail(f"index {name} is still {entry['state']} after {timeout:g} s")
+            time.sleep(0.2)
+    click.echo(f"{name}: active")
 
 
 @main.command("drop-index")

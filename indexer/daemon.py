@@ -100,7 +100,9 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
     server = config.server
     server.data_dir.mkdir(parents=True, exist_ok=True)
     with IndexStore(server.data_dir) as store, bulk_gc():
-        indexes = store.ensure_indexes(config.indexes)
+        stored = store.ensure_indexes(config.indexes)
+        # Indexes in their initial build are written by their build stream, not maintained yet.
+        indexes = [i for i in stored if i.state != "building"]
         state = recover(config)
         restart = state.current.timestamp
         # What a crash (or a rollback cut short) left beyond the persisted snapshot is undone.
@@ -175,6 +177,14 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
         catalog = IndexCatalog(
             store, indexes, reader, workers, timekeeper, cache, to_dispatch, pipeline_lock
         )
+        for index in stored:
+            if index.state == "building":
+                build = catalog.add_build(index)
+                log.info(
+                    "index %s: resuming its build from seqno sum %d",
+                    index.definition.name,
+                    sum(build.progress),
+                )
         reader.rollback = Rollback(
             store,
             indexes,
@@ -188,6 +198,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             server.data_dir,
             pipeline_lock,
         )
+        reader.rollback.restart_builds = catalog.restart_builds
         view = DaemonView(
             store,
             indexes,
@@ -208,6 +219,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
                 assert view.compactor is not None
                 services.start_soon(view.compactor.run)
                 http_port = await services.start(_serve_http, config, HttpApi(view))
+                services.start_soon(catalog.run)
                 async with trio.open_nursery() as keeping:
                     keeping.start_soon(timekeeper.run)
                     async with trio.open_nursery() as pipeline:

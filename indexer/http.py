@@ -36,6 +36,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from indexer.build import IndexBuild
 from indexer.catalog import CatalogError, IndexCatalog
 from indexer.compaction import Compactor
 from indexer.config import FIELD_PATH, INDEX_NAME, MAX_KEYS
@@ -194,7 +195,7 @@ class HttpApi:
             await _respond(send, 204, b"", "text/plain")
         elif match := INDEX_ROUTE.match(path):
             _only(method, "GET")
-            index = self._index(match.group(1))
+            index = self._index(match.group(1), query)
             action = match.group(2)
             if action == "splits":
                 await self.split(index, query, send)
@@ -240,15 +241,28 @@ class HttpApi:
         if unknown:
             raise ApiError(400, f"{sorted(unknown)[0]}: unknown member")
         definition = IndexDefinition(name, tuple(keys), where)
-        stored = await self._catalog_call(self._catalog().create(definition))
-        await _json(send, 201, self._index_entry(stored, 0))
+        catalog = self._catalog()
+        stored = await self._catalog_call(catalog.create(definition))
+        build = catalog.builds.get(name)
+        entry = self._index_entry(stored, 0) if build is None else self._build_entry(build)
+        await _json(send, 201, entry)
 
     # ---------------------------------------------------------------------------- snapshots
 
-    def _index(self, name: str) -> StoredIndex:
+    def _index(self, name: str, query: dict[str, str] | None = None) -> StoredIndex:
         for index in self.view.indexes:
             if index.definition.name == name:
                 return index
+        build = self.view.catalog.builds.get(name) if self.view.catalog is not None else None
+        if build is not None:
+            status = build.status()
+            if query is None or query.get("consistency", "any") != "any" or "at_plus" in query:
+                raise ApiError(
+                    409,
+                    f"index {name!r} is {status.state} ({status.percent:g}% built): only "
+                    "consistency=any reads it before it is active, and sees what is built so far",
+                )
+            return build.index
         raise ApiError(404, f"no index named {name!r}")
 
     def _describe(self, snap: StabilitySnapshot) -> dict[str, Any]:
@@ -474,7 +488,21 @@ class HttpApi:
 
     def index_list(self) -> list[dict[str, Any]]:
         counts = self.view.timekeeper.statistics().entry_counts
-        return [self._index_entry(i, counts[j]) for j, i in enumerate(self.view.indexes)]
+        out = [self._index_entry(i, counts[j]) for j, i in enumerate(self.view.indexes)]
+        for build in self._builds():
+            out.append(self._build_entry(build))
+        return out
+
+    def _builds(self) -> list[IndexBuild]:
+        catalog = self.view.catalog
+        return [] if catalog is None else list(catalog.builds.values())
+
+    def _build_entry(self, build: IndexBuild) -> dict[str, Any]:
+        status = build.status()
+        out = self._index_entry(build.index, build.entries)
+        out["state"] = status.state
+        out["build"] = asdict(status)
+        return out
 
     def stats(self) -> dict[str, Any]:
         v = self.view
@@ -499,6 +527,7 @@ class HttpApi:
                 "seqno_sum": snaps.persisted.total,
                 "snapshot": snaps.persisted_snapshot.number if snaps.persisted_snapshot else None,
             },
+            "builds": {b.name: asdict(b.status()) for b in self._builds()},
             "compaction": None if v.compactor is None else v.compactor.statistics(),
             "snapshots": asdict(snaps.statistics()),
             "queues": [asdict(w.statistics()) for w in v.workers],

@@ -81,6 +81,7 @@ class ErrorCode(IntEnum):
     BAD_MUTATION = 11  # a record that does not match the index definitions
     INDEXES_CHANGED = 12  # an index was created or dropped: handshake again for the new keys
     ROLLBACK = 13  # the index rolled back (another router's failover): handshake again
+    BUILD_DONE = 14  # a build stream is no longer wanted (built, dropped): do not reconnect
 
 
 class ProtocolError(Exception):
@@ -127,6 +128,8 @@ class Handshake:
     vbuckets: tuple[int, ...]
     failover_logs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     flow_control: bool = False
+    # A build stream: the name of the index being built (its initial build); "" = maintenance.
+    build: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,8 @@ class HandshakeReply:
     # vbucket -> seqno it was rolled back to at this handshake (its `restart` says the same).
     rollback: dict[int, int] = field(default_factory=dict)
     flow_control_bytes: int = 0  # the window, when the router asked for flow control
+    # Indexes being built: the router opens one build stream per name (Handshake.build).
+    builds: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,17 +327,26 @@ def encode(message: Message) -> bytes:
             return _frame(MessageType.BUFFER_ACK, _COOKIE.pack(nbytes))
         case Error(code, text):
             return _frame(MessageType.ERROR, _ERROR.pack(code) + text.encode())
-        case Handshake(router, num_vbuckets, vbuckets, failover_logs, flow_control):
+        case Handshake(router, num_vbuckets, vbuckets, failover_logs, flow_control, build):
             body = {"router": router, "num_vbuckets": num_vbuckets, "vbuckets": list(vbuckets)}
             if flow_control:
                 body["flow_control"] = True
+            if build:
+                body["build"] = build
             if failover_logs:
                 body["failover_logs"] = {
                     str(vb): [list(entry) for entry in log] for vb, log in failover_logs.items()
                 }
             return _frame(MessageType.HANDSHAKE, _json(body))
         case HandshakeReply(
-            indexes, num_vbuckets, owned, restart, max_frame_bytes, rollback, flow_control_bytes
+            indexes,
+            num_vbuckets,
+            owned,
+            restart,
+            max_frame_bytes,
+            rollback,
+            flow_control_bytes,
+            builds,
         ):
             body = {
                 "max_frame_bytes": max_frame_bytes,
@@ -345,6 +359,8 @@ def encode(message: Message) -> bytes:
                 body["rollback"] = {str(vb): seqno for vb, seqno in rollback.items()}
             if flow_control_bytes:
                 body["flow_control_bytes"] = flow_control_bytes
+            if builds:
+                body["builds"] = list(builds)
             return _frame(MessageType.HANDSHAKE_REPLY, _json(body))
     raise TypeError(f"not a protocol message: {message!r}")
 
@@ -439,7 +455,10 @@ def _decode_handshake(payload: bytes) -> Handshake:
     if not isinstance(flow_control, bool):
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "flow_control must be true or false")
     logs = _failover_logs(body.get("failover_logs", {}), num)
-    return Handshake(router, num, vbuckets, logs, flow_control)
+    build = body.get("build", "")
+    if not isinstance(build, str):
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "build must be an index name")
+    return Handshake(router, num, vbuckets, logs, flow_control, build)
 
 
 def _failover_logs(value: Any, num_vbuckets: int) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -501,6 +520,7 @@ def _decode_handshake_reply(payload: bytes) -> HandshakeReply:
             int(body.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)),
             {int(vb): int(seqno) for vb, seqno in body.get("rollback", {}).items()},
             int(body.get("flow_control_bytes", 0)),
+            tuple(str(name) for name in body.get("builds", ())),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, f"bad handshake reply: {exc}") from None

@@ -14,6 +14,7 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -23,6 +24,9 @@ from indexer.recovery import FailoverLog, rollback_seqno
 from indexer.snapshots import RolledBackError, SnapshotStore
 from slab import MemoryThrottle
 from workers.worker import StreamItem
+
+if TYPE_CHECKING:
+    from indexer.build import IndexBuild
 
 log = logging.getLogger("indexer.reader")
 
@@ -246,19 +250,35 @@ class Reader:
         self._open.set()
         self._live: dict[int, trio.CancelScope] = {}
         self._kick: tuple[ErrorCode, str] | None = None
+        # Indexes being built, by name (shared with the catalog), and the build connections.
+        self.builds: dict[str, IndexBuild] = {}
+        self._build_conns: dict[int, str] = {}
+        self._build_kicks: dict[int, tuple[ErrorCode, str]] = {}
 
     def close_connections(self, code: ErrorCode, message: str, keep: int | None = None) -> None:
         """Stop accepting and close every connection (but `keep`) with an error frame saying why."""
         self._open = trio.Event()
         self._kick = (code, message)
-        closing = [c for c in self._live if c != keep]
+        closing = [c for c in self._live if c != keep and c not in self._build_conns]
         log.info("closing %d router connections (%s): %s", len(closing), code.name, message)
         for conn_id in closing:
             self._live[conn_id].cancel()
 
+    def close_builds(self, name: str, code: ErrorCode, message: str) -> None:
+        """Close the build connections of index `name` with an error frame saying why."""
+        for conn_id, building in list(self._build_conns.items()):
+            if building == name:
+                self._build_kicks[conn_id] = (code, message)
+                self._live[conn_id].cancel()
+
     @property
     def connected(self) -> int:
-        return len(self._live)
+        """Open maintenance connections (build streams are not counted)."""
+        return len(self._live) - len(self._build_conns)
+
+    def building(self) -> tuple[str, ...]:
+        """The indexes whose build streams routers should open."""
+        return tuple(name for name, build in self.builds.items() if build.state != "merged")
 
     def reopen(self, indexes: Sequence[p.IndexDefinition]) -> None:
         """Accept connections again, handshaking with these index definitions."""
@@ -276,6 +296,8 @@ class Reader:
                 await self._handle(stream, conn_id)
             finally:
                 del self._live[conn_id]
+                self._build_conns.pop(conn_id, None)
+                self._build_kicks.pop(conn_id, None)
 
     async def _handle(self, stream: trio.abc.Stream, conn_id: int) -> None:
         conn = Connection(conn_id, self.registry, len(self.indexes))
@@ -306,9 +328,10 @@ class Reader:
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     log.info("router %s disconnected: %s", peer, exc)
                 except trio.Cancelled:
-                    code, message = self._kick or (
-                        ErrorCode.SHUTTING_DOWN,
-                        "the indexer is shutting down",
+                    code, message = (
+                        self._build_kicks.get(conn.conn_id)
+                        or (None if conn.conn_id in self._build_conns else self._kick)
+                        or (ErrorCode.SHUTTING_DOWN, "the indexer is shutting down")
                     )
                     await refuse(code, message)
                     raise
@@ -338,6 +361,7 @@ class Reader:
         throttle = self.throttle
         barriers = Barriers(self.snapshots, stream, send_lock, nursery)
         credit = 0  # bytes taken into the pipeline and not yet returned to the router
+        build: IndexBuild | None = None  # set when this is a build stream
         while True:
             if throttle.paused:
                 reg.throttle_waits += 1
@@ -365,12 +389,21 @@ class Reader:
                         if item is not None:
                             accepted.append(item)
                         if was_new and conn.handshake is not None:
+                            if conn.handshake.build:
+                                build = self._start_build_stream(conn)
+                                await self._reply_build(stream, conn, build, send_lock, peer)
+                                continue
                             rolled_back = await self._check_history(conn)
                             await self._reply(stream, conn, send_lock, nursery, peer, rolled_back)
             finally:
                 # Frames before a bad one are valid: hand them on before the error goes out.
                 if accepted:
-                    await items.send(accepted)
+                    if build is None:
+                        await items.send(accepted)
+                    else:  # the build writer takes only mutations
+                        mutations = [i for i in accepted if type(i) is p.MutationBatch]
+                        if mutations:
+                            await build.send.send(mutations)
             # Credit goes back once frames are in the pipeline, in steps, not per frame.
             credit += unread - decoder.buffered
             handshake = conn.handshake
@@ -385,6 +418,54 @@ class Reader:
                 async with send_lock:
                     await stream.send_all(p.encode(p.BufferAck(credit)))
                 credit = 0
+
+    def _start_build_stream(self, conn: Connection) -> IndexBuild:
+        """A build handshake: the connection streams into the index's build from now on."""
+        assert conn.handshake is not None
+        name = conn.handshake.build
+        build = self.builds.get(name)
+        if build is None or build.state == "merged":
+            raise ProtocolError(ErrorCode.BUILD_DONE, f"index {name!r} is not being built")
+        if any(other == name for other in self._build_conns.values()):
+            raise ProtocolError(ErrorCode.STREAM_EXISTS, f"index {name!r} has a build stream")
+        self._build_conns[conn.conn_id] = name
+        conn.registry = build.registry
+        conn.nkeys = 1
+        return build
+
+    async def _reply_build(
+        self,
+        stream: trio.abc.Stream,
+        conn: Connection,
+        build: IndexBuild,
+        send_lock: trio.Lock,
+        peer: str,
+    ) -> None:
+        assert conn.handshake is not None
+        registry = build.registry
+        owned = tuple(vb for vb, flag in enumerate(registry.owned) if flag)
+        wanted = [vb for vb in conn.handshake.vbuckets if 0 <= vb < len(registry.owned)]
+        restart = tuple(
+            p.VbucketPosition(vb, registry.received[vb], 0) for vb in wanted if registry.owned[vb]
+        )
+        reply = p.HandshakeReply(
+            (build.index.definition,),
+            len(registry.owned),
+            owned,
+            restart,
+            self.max_frame_bytes,
+            {},
+            self.flow_control_bytes if conn.handshake.flow_control else 0,
+        )
+        async with send_lock:
+            await stream.send_all(p.encode(reply))
+        log.info(
+            "router %s (%s) opened the build stream of %s from seqno sum %d",
+            peer,
+            conn.handshake.router or "unnamed",
+            build.name,
+            sum(registry.received),
+        )
 
     async def _check_history(self, conn: Connection) -> set[int]:
         """Compare the router's failover logs with the index's; roll back if history diverged.
@@ -440,6 +521,7 @@ class Reader:
             self.max_frame_bytes,
             {vb: persisted.seqnos[vb] for vb in sorted(rolled_back)},
             self.flow_control_bytes if conn.handshake.flow_control else 0,
+            self.building(),
         )
         async with send_lock:
             await stream.send_all(p.encode(reply))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -114,6 +114,9 @@ class Rollback:
         self.data_dir = data_dir
         self.lock = lock  # shared with the catalog: one change of the pipeline at a time
         self.count = 0
+        # Runs after each rollback, pipeline still stopped: index builds start again from zero
+        # (what they wrote may belong to the history that did not survive).
+        self.restart_builds: Callable[[], Awaitable[None]] | None = None
 
     async def __call__(self, conn_id: int, needs: dict[int, int]) -> None:
         async with self.lock:
@@ -131,6 +134,8 @@ class Rollback:
                 await marker.wait()
                 async with self.timekeeper.stopped_flushes():
                     await self._roll_back(needs)
+                    if self.restart_builds is not None:
+                        await self.restart_builds()
             finally:
                 self.reader.reopen([i.definition for i in self.indexes])
 

@@ -46,9 +46,10 @@ class StoreLockedError(StoreError):
 class StoredIndex:
     """An index as the store knows it: its definition and the prefixes of its entries.
 
-    `state` is "active" for indexes defined in the configuration at their first start, and
-    "incremental" for indexes created at run time: those hold the mutations streamed after
-    their creation only (building them over earlier data comes later).
+    `state` is "active" for an index the stream maintains, and "building" for one created over
+    data already streamed, while its initial build runs (indexer/build.py). Stores of earlier
+    versions may hold "incremental": an index created at run time before builds existed, which
+    holds only what was streamed after its creation.
     """
 
     definition: IndexDefinition
@@ -190,11 +191,19 @@ class IndexStore:
             meta[s.definition.name] = item
         self.db.put(_META_INDEXES, json.dumps(meta).encode(), sync=True)
 
-    def create_index(self, definition: IndexDefinition) -> StoredIndex:
-        """Register an index created at run time (state "incremental")."""
+    def create_index(self, definition: IndexDefinition, state: str = "active") -> StoredIndex:
+        """Register an index created at run time: "active", or "building" (initial build)."""
         if definition.name in self._indexes:
             raise StoreError(f"an index named {definition.name!r} exists")
-        return self._register(definition, "incremental")
+        return self._register(definition, state)
+
+    def activate(self, name: str) -> StoredIndex:
+        """A built index becomes active (maintained by the stream like the others)."""
+        stored = self.index(name)
+        active = StoredIndex(stored.definition, stored.index_id, "active")
+        self._indexes[name] = active
+        self._save_meta()
+        return active
 
     def drop_index(self, name: str) -> StoredIndex:
         """Forget an index; its entries stay until `delete_entries` (run it in a thread)."""

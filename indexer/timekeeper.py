@@ -9,6 +9,7 @@ store and records the latest readable timestamp in the snapshot file.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -190,6 +191,25 @@ class Timekeeper:
             await self.drain_all()
             self._memory_flushes += 1
         return False
+
+    async def republish(self) -> bool:
+        """Publish the stable timestamp again with a fresh store snapshot (after entries were
+        written outside the stream, as by an index build), if the store holds exactly it."""
+        async with self._flush_lock:
+            ts = self._stable
+            if any(h > s for h, s in zip(self._store_high, ts.seqnos, strict=True)):
+                return False  # the next cut publishes: the store is ahead of the stable point
+            self.snapshots.publish(ts, self.store.snapshot(), self.counts())
+            return True
+
+    def forget_recovery_points(self) -> None:
+        """Entries were written without undo records (an index build merged): no recovery point
+        made so far could restore them, so a rollback before the next one goes to zero."""
+        state = self.recovery.state
+        unclean = [dataclasses.replace(point, clean=False) for point in state.points]
+        self.recovery.state = dataclasses.replace(
+            state, current=unclean[0], older=tuple(unclean[1:])
+        )
 
     def counts(self) -> dict[str, int]:
         return {i.definition.name: n for i, n in zip(self.indexes, self.entry_counts, strict=True)}

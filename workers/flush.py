@@ -60,6 +60,19 @@ class BackIndexCache:
         self.nindexes += 1
         self.entries = {docid: (*keys, b"") for docid, keys in self.entries.items()}
 
+    def add_built_index(self, built: BackIndexCache) -> None:
+        """A new last index that was built on its own: its keys come from the build's cache."""
+        empty = (b"",) * self.nindexes
+        self.nindexes += 1
+        entries = {docid: (*keys, b"") for docid, keys in self.entries.items()}
+        for docid, (key,) in built.entries.items():
+            if key:
+                entries[docid] = (*entries.get(docid, (*empty, b""))[:-1], key)
+        self.entries = entries
+        if not built.complete:
+            self.complete = False  # misses are read from the store, this index's entries too
+        self.trim()
+
     def remove_index(self, position: int) -> None:
         """Forget the keys of the index at `position`."""
         self.nindexes -= 1

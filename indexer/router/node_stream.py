@@ -272,18 +272,21 @@ async def follow_memory(
     on_connected: Callable[[p.HandshakeReply, int], None] | None = None,
     progress: NodeProgress | None = None,
     backfill_items: int = BACKFILL_CHUNK_ITEMS,
+    build: str = "",
 ) -> NoReturn:
     """Stream to the indexer at host:port from the Mutation Manager, backfilling from `source`
     where memory does not reach, until cancelled or a FeedError (one connection, no retry).
 
     `next_change()` is the event the next write to the manager sets. `on_connected(reply, n)`
     is called after the handshake with the number of vbuckets that start with a backfill.
+    With `build`, this is the build stream of that index: the node's reply names that index only
+    (its keys are the only ones computed), and restarts from what the build has.
     """
     n = source.num_vbuckets
     settings = FeedSettings(router_name=router_name, num_vbuckets=n, on_rollback=on_rollback)
     vbuckets = source.vbuckets_with_history()
     logs = {vb: source.failover_log(vb) for vb in vbuckets}
-    handshake = p.Handshake(router_name, n, tuple(range(n)), logs)
+    handshake = p.Handshake(router_name, n, tuple(range(n)), logs, build=build)
     stats = progress if progress is not None else NodeProgress()
 
     async def run(peer: _Peer) -> NoReturn:
@@ -318,7 +321,10 @@ async def follow_memory(
                             break
                         moved += await _send(peer, cursors.backfill_chunks(chunk))
                         moved += 1
-                    moved += await _send(peer, cursors.memory_chunks())
+                    try:
+                        moved += await _send(peer, cursors.memory_chunks())
+                    except MutationError as exc:  # a failover reset the vbucket meanwhile
+                        raise FeedError(f"the source changed under the stream: {exc}") from None
                     stats.sent = cursors.sent
                     stats.backfilled = cursors.backfilled
                     stats.backfilling = len(cursors.backfilling)

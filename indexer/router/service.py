@@ -248,9 +248,43 @@ async def stream_to_node(
     nodes: Nodes,
     router_name: str = ROUTER_NAME,
 ) -> None:
-    """Keep the node fed until cancelled: connect, stream, reconnect with backoff on errors."""
+    """Keep the node fed until cancelled: its maintenance stream, and a build stream for each
+    index its handshake says is being built (until the node says that build is done)."""
     host, port = address
-    name = f"{host}:{port}"
+    node = f"{host}:{port}"
+    building: set[str] = set()
+    async with trio.open_nursery() as nursery:
+
+        async def build_stream(index: str) -> None:
+            try:
+                await _keep_streaming(address, source, appender, nodes, router_name, index)
+            finally:
+                building.discard(index)
+
+        def on_builds(names: Sequence[str]) -> None:
+            for index in names:
+                if index not in building:
+                    building.add(index)
+                    nursery.start_soon(build_stream, index)
+
+        await _keep_streaming(address, source, appender, nodes, router_name, "", on_builds)
+    log.info("%s: stopped", node)
+
+
+async def _keep_streaming(
+    address: Address,
+    source: SourceLog,
+    appender: Appender,
+    nodes: Nodes,
+    router_name: str,
+    build: str,
+    on_builds: Callable[[Sequence[str]], None] | None = None,
+) -> None:
+    """One stream to the node (maintenance, or the build of index `build`): connect, stream,
+    reconnect with backoff on errors; a build stream returns once the node says it is done."""
+    host, port = address
+    name = f"{host}:{port}" if not build else f"{host}:{port}/build:{build}"
+    progress = nodes.progress.setdefault(name, NodeProgress())
     backoff = BACKOFF_MIN_S
     last_failure = ""
     while True:
@@ -266,6 +300,8 @@ async def stream_to_node(
                 restart,
                 backfills,
             )
+            if on_builds is not None and reply.builds:
+                on_builds(reply.builds)
 
         def on_rollback(vbucket: int, seqno: int) -> None:
             log.warning("%s: vbucket %d: the indexer rolled back to seqno %d", name, vbucket, seqno)
@@ -283,12 +319,17 @@ async def stream_to_node(
                     router_name=router_name,
                     on_rollback=on_rollback,
                     on_connected=on_connected,
-                    progress=nodes.progress[name],
+                    progress=progress,
+                    build=build,
                 )
             log.info("%s: handshaking again after a failover", name)
             continue
         except (FeedError, OSError) as exc:
             code = exc.code if isinstance(exc, FeedError) else None
+            if build and code is p.ErrorCode.BUILD_DONE:
+                log.info("%s: the build stream is done: %s", name, exc)
+                nodes.progress.pop(name, None)
+                return
             delay = backoff
             if connected is not None:
                 if trio.current_time() - connected >= STEADY_S:

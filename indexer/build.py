@@ -1,0 +1,182 @@
+"""The initial build of an index created over data already streamed: its own stream and writer.
+
+Like Couchbase's INIT_STREAM beside MAINT_STREAM. A router opens a build stream for the index
+(HANDSHAKE with `build`), which carries that index's key only, from seqno 0 (the router reads its
+source log, then memory) and follows the router live. The build has its own stream registry
+(what it has received), its own bounded channel, and its own writer and back-index cache, so the
+maintenance stream keeps the active indexes current meanwhile and never waits for it. Every
+flush writes the entries and the build's progress in one WriteBatch: a daemon killed during a
+build resumes from its progress. Once the build has caught up with what the maintenance stream
+has received, the catalog merges it (`IndexCatalog.merge_build`): maintenance stops at a
+timestamp M, the build is completed exactly up to M (later mutations on the build stream are
+dropped: maintenance resends them from M on, with the new index's key), and the index joins the
+maintenance stream. Nothing is lost. Where the build had run ahead of M before the merge began,
+maintenance applies those seqnos again with the same keys, which changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from indexer import protocol as p
+from indexer.reader import StreamRegistry
+from indexer.storage import IndexStore, StoredIndex
+from workers.flush import BackIndexCache, IndexWriter
+
+log = logging.getLogger("indexer.build")
+
+BUILD_CHANNEL_BATCHES = 8
+"""MUTATIONS frames queued between a build connection and its writer: TCP pushes back beyond."""
+
+FLUSH_RECORDS = 20_000
+"""Records gathered from the channel into one build flush at most."""
+
+CATCHUP_SLACK = 2_000
+"""The build is in catch-up (and merged) once it trails maintenance by this many seqnos."""
+
+CHECK_S = 0.1
+"""How often an idle build looks whether maintenance moved ahead or it can merge."""
+
+_PROGRESS = b"\x00build:"
+
+
+def progress_key(index: StoredIndex) -> bytes:
+    """The store key of an index's build progress (its seqno per vbucket)."""
+    return _PROGRESS + struct.pack(">H", index.index_id)
+
+
+def read_progress(store: IndexStore, index: StoredIndex, num_vbuckets: int) -> list[int]:
+    """The build's persisted progress, or zeros when it has not written yet."""
+    raw = store.get(progress_key(index))
+    if raw is None or len(raw) != 8 * num_vbuckets:
+        return [0] * num_vbuckets
+    return list(struct.unpack(f">{num_vbuckets}Q", raw))
+
+
+@dataclass(frozen=True)
+class BuildStatus:
+    """What `/stats` and `/indexes` show of a build."""
+
+    state: str
+    items: int
+    percent: float
+    received_seqno_sum: int
+    target_seqno_sum: int
+
+
+class IndexBuild:
+    """One index's initial build: its stream registry, channel and writer (see module doc)."""
+
+    def __init__(
+        self,
+        store: IndexStore,
+        index: StoredIndex,
+        owned: Sequence[int],
+        maintenance: StreamRegistry,
+        cache_capacity: int,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.maintenance = maintenance
+        n = len(maintenance.received)
+        self.progress = read_progress(store, index, n)
+        self.registry = StreamRegistry(owned, self.progress)
+        self.cache = BackIndexCache(cache_capacity, 1)
+        self.cache.load(store, [index])
+        self.writer = IndexWriter(store, [index], self.cache)
+        self.send, self._receive = trio.open_memory_channel[list[p.MutationBatch]](
+            BUILD_CHANNEL_BATCHES
+        )
+        self.state = "building"
+        self.items = 0
+        self.entries = sum(1 for keys in self.cache.entries.values() if keys[0])
+        # While merging: per vbucket, the seqno the build stops at (maintenance's).
+        self.cap: list[int] | None = None
+        self._moved = trio.Event()
+        self._reported = False
+
+    @property
+    def name(self) -> str:
+        return self.index.definition.name
+
+    def status(self) -> BuildStatus:
+        received = sum(self.progress)
+        target = sum(self.maintenance.received)
+        percent = 100.0 if target <= 0 else min(100.0, 100.0 * received / target)
+        return BuildStatus(self.state, self.items, round(percent, 1), received, target)
+
+    def behind(self) -> int:
+        """Seqnos the build trails maintenance by, over the owned vbuckets."""
+        owned = self.maintenance.owned
+        return sum(
+            max(m - b, 0)
+            for vb, (m, b) in enumerate(zip(self.maintenance.received, self.progress, strict=True))
+            if owned[vb]
+        )
+
+    def reached(self, upto: Sequence[int]) -> bool:
+        owned = self.maintenance.owned
+        pairs = enumerate(zip(self.progress, upto, strict=True))
+        return all(b >= u for vb, (b, u) in pairs if owned[vb])
+
+    async def wait_moved(self) -> None:
+        await self._moved.wait()
+
+    def rearm(self) -> None:
+        """A merge was given up: report catching up again when it next does."""
+        self.cap = None
+        self.state = "building"
+        self._reported = False
+
+    async def run(self, on_caught_up: trio.MemorySendChannel[IndexBuild]) -> None:
+        """Write what the build stream delivers until cancelled; report catching up (once until
+        `rearm`)."""
+        self._reported = False
+        while True:
+            batches: list[p.MutationBatch] = []
+            with trio.move_on_after(CHECK_S):
+                batches.extend(await self._receive.receive())
+            while len(batches) < FLUSH_RECORDS:
+                try:
+                    batches.extend(self._receive.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            if batches:
+                await self._flush(batches)
+            if not self._reported and self.behind() <= CATCHUP_SLACK:
+                self.state = "catchup"
+                self._reported = True
+                await on_caught_up.send(self)
+
+    async def _flush(self, batches: list[p.MutationBatch]) -> None:
+        blob = bytearray()
+        offsets: list[int] = []
+        progress = list(self.progress)
+        cap = self.cap
+        for batch in batches:
+            vb = batch.vbucket
+            for seqno, start, length in zip(batch.seqnos, batch.starts, batch.lengths, strict=True):
+                if cap is not None and seqno > cap[vb]:
+                    continue  # maintenance resends it with this index's key after the merge
+                offsets.append(len(blob))
+                blob += batch.payload[start : start + length]
+                progress[vb] = max(progress[vb], seqno)
+        if not offsets:
+            return
+        write, result = self.writer.prepare(memoryview(blob), offsets)
+        write.put(progress_key(self.index), struct.pack(f">{len(progress)}Q", *progress))
+        await trio.to_thread.run_sync(write.write)
+        self.progress[:] = progress
+        self.items += result.mutations
+        self.entries += result.entry_deltas[0]
+        self._moved.set()
+        self._moved = trio.Event()
+
+    def forget(self) -> None:
+        """The build ended (merged or dropped): its progress record goes (blocking)."""
+        self.store.write((), [progress_key(self.index)])

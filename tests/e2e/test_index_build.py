@@ -1,0 +1,177 @@
+"""Initial builds: an index created over data already streamed gets its own build stream from
+the router, while the maintenance stream keeps the other indexes current, and joins it once
+caught up. Real daemon and router processes."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from indexer.router import Workload, generate
+from indexer.router.documents import Document
+from tests.e2e.conftest import (
+    WAIT_S,
+    Daemon,
+    indexer_command,
+    model,
+    scan,
+    wait_equal,
+    write_jsonl,
+)
+
+pytestmark = pytest.mark.e2e
+
+ZIP = ["address.zip", "name"]
+
+
+def index_states(daemon: Daemon) -> dict[str, dict[str, Any]]:
+    answer = httpx.get(f"{daemon.url}/indexes", timeout=10)
+    assert answer.status_code == 200, answer.text
+    return {i["name"]: i for i in answer.json()["indexes"]}
+
+
+def wait_active(daemon: Daemon, name: str, timeout: float = WAIT_S) -> list[str]:
+    """Until the index is active; the states seen on the way."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        state = index_states(daemon)[name]["state"]
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        if state == "active":
+            return seen
+        assert time.monotonic() < deadline, (seen, index_states(daemon)[name])
+        time.sleep(0.05)
+
+
+def keep_appending(jsonl: Path, documents: list[Document], stop: threading.Event) -> None:
+    seed = 300
+    while not stop.is_set():
+        more = list(generate(Workload(1_000, 5_000, 0.1, seed)))
+        write_jsonl(jsonl, more, append=True)
+        documents += more
+        seed += 1
+        time.sleep(0.1)
+
+
+def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory().start()
+    documents = list(generate(Workload(30_000, 5_000, 0.1, 201)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
+        "--to", daemon.address,
+    )  # fmt: skip
+    wait_equal(daemon, documents)
+    stop = threading.Event()
+    appender = threading.Thread(target=keep_appending, args=(jsonl, documents, stop))
+    appender.start()
+    try:
+        created = httpx.post(
+            f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP}, timeout=30
+        )
+        assert created.status_code == 201, created.text
+        assert created.json()["state"] == "building"
+        assert created.json()["build"]["percent"] < 100
+        # Before it is active, only consistency=any reads it.
+        early = httpx.get(
+            f"{daemon.url}/indexes/by_zip/scan", params={"consistency": "request_plus"}
+        )
+        if early.status_code != 200:
+            assert early.status_code == 409 and "only consistency=any" in early.json()["error"]
+        assert httpx.get(f"{daemon.url}/indexes/by_zip/count").status_code == 200
+        seen = wait_active(daemon, "by_zip")
+        time.sleep(0.5)  # the feed goes on after the merge too
+    finally:
+        stop.set()
+        appender.join()
+    assert seen[-1] == "active"
+    wait_equal(daemon, documents)
+    assert scan(daemon, "by_zip") == model(documents, ZIP)
+    stats = httpx.get(f"{daemon.url}/stats").json()
+    assert stats["builds"] == {}
+    assert "index by_zip built" in daemon.log()
+    router.wait_log(r"build:by_zip: the build stream is done")
+    assert router.stop() == 0
+    assert daemon.stop() == 0
+    # After a restart the built index is an ordinary active one.
+    daemon.start()
+    assert index_states(daemon)["by_zip"]["state"] == "active"
+    assert scan(daemon, "by_zip") == model(documents, ZIP)
+    assert daemon.stop() == 0
+
+
+def test_a_build_resumes_after_the_daemon_is_killed_and_can_be_dropped(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory().start()
+    documents = list(generate(Workload(60_000, 20_000, 0.1, 211)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
+        "--to", daemon.address,
+    )  # fmt: skip
+    wait_equal(daemon, documents)
+    created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP})
+    assert created.status_code == 201, created.text
+    # Killed as soon as the build has written something (or already finished).
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        entry = index_states(daemon)["by_zip"]
+        if entry["state"] == "active" or entry["build"]["items"] > 0:
+            break
+        assert time.monotonic() < deadline, entry
+        time.sleep(0.01)
+    daemon.kill()
+    more = list(generate(Workload(2_000, 20_000, 0.1, 212)))
+    write_jsonl(jsonl, more, append=True)
+    documents += more
+    daemon.start()
+    wait_active(daemon, "by_zip")
+    wait_equal(daemon, documents)
+    assert scan(daemon, "by_zip") == model(documents, ZIP)
+
+    # A second index, dropped during its build: its stream ends and nothing of it stays.
+    created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_name", "keys": ["name"]})
+    assert created.status_code == 201 and created.json()["state"] == "building"
+    router.wait_log(r"build:by_name: connected")
+    dropped = httpx.delete(f"{daemon.url}/indexes/by_name")
+    assert dropped.status_code == 204, dropped.text
+    assert "by_name" not in index_states(daemon)
+    assert httpx.get(f"{daemon.url}/indexes/by_name/count").status_code == 404
+    router.wait_log(r"build:by_name: the build stream is done")
+    assert httpx.get(f"{daemon.url}/stats").json()["builds"] == {}
+    wait_equal(daemon, documents)
+
+    # The CLI waits for a build with a progress bar.
+    cli = subprocess.run(
+        indexer_command(
+            "create-index",
+            "by_name",
+            "--keys",
+            "name",
+            "--where",
+            "age >= 30",
+            "--wait",
+            "--url",
+            daemon.url,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert "created by_name(name) WHERE age >= 30: building" in cli.stdout
+    assert "by_name: active" in cli.stdout
+    assert "building by_name" in cli.stderr  # the bar's label
+    assert scan(daemon, "by_name") == model(documents, ["name"], "age >= 30")
+    assert router.stop() == 0
+    assert daemon.stop() == 0
