@@ -46,14 +46,45 @@ def main() -> None:
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Overrides server.data_dir.")
 @click.option("--feed-port", type=click.IntRange(0, 65535), help="Overrides server.feed_port.")
 @click.option("--http-port", type=click.IntRange(0, 65535), help="Overrides server.http_port.")
+@click.option(
+    "--cluster-map",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A cluster map (TOML): take this node's vbuckets and addresses from it (with --node).",
+)
+@click.option("--node", help="This node's name in --cluster-map.")
 def serve(
-    config_file: Path | None, data_dir: Path | None, feed_port: int | None, http_port: int | None
+    config_file: Path | None,
+    data_dir: Path | None,
+    feed_port: int | None,
+    http_port: int | None,
+    cluster_map: Path | None,
+    node: str | None,
 ) -> None:
     """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0)."""
     from indexer.daemon import serve as run_daemon
     from indexer.storage import StoreError
 
+    slice_of: dict[str, Any] = {}
+    if (cluster_map is None) != (node is None):
+        fail("--cluster-map and --node go together", 2)
+    if cluster_map is not None and node is not None:
+        from indexer.cluster import ClusterMapError, load_cluster_map
+
+        try:
+            entry = load_cluster_map(cluster_map).node(node)
+            num = load_cluster_map(cluster_map).num_vbuckets
+        except ClusterMapError as exc:
+            fail(str(exc), 2)
+        slice_of = {
+            "host": entry.feed[0],
+            "feed_port": entry.feed[1] if feed_port is None else feed_port,
+            "http_port": entry.http[1] if http_port is None else http_port,
+            "owned_vbuckets": entry.vbuckets,
+            "num_vbuckets": num,
+        }
     config = _config(config_file, data_dir=data_dir, feed_port=feed_port, http_port=http_port)
+    if slice_of:
+        config = dataclasses.replace(config, server=dataclasses.replace(config.server, **slice_of))
     logging.basicConfig(
         level=config.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -317,8 +348,11 @@ def _feed_state(
     type=click.Path(file_okay=False, path_type=Path),
     help="The router's source log (created if missing).",
 )
+@click.option("--to", "targets", multiple=True, help="An indexer node, HOST:PORT (repeat).")
 @click.option(
-    "--to", "targets", multiple=True, required=True, help="An indexer node, HOST:PORT (repeat)."
+    "--cluster-map",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Stream to the nodes of this cluster map (re-read when it changes) instead of --to.",
 )
 @click.option(
     "--jsonl",
@@ -361,6 +395,7 @@ def router(
     seed: int,
     rate: float | None,
     memory_mb: float,
+    cluster_map: Path | None,
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
     stream it to every --to node, then each new document as it comes."""
@@ -369,6 +404,15 @@ def router(
 
     if follow and jsonl is None:
         fail("--follow needs --jsonl FILE", 2)
+    if bool(targets) == (cluster_map is not None):
+        fail("give the nodes with --to HOST:PORT or --cluster-map FILE (one of the two)", 2)
+    if cluster_map is not None:
+        from indexer.cluster import ClusterMapError, load_cluster_map
+
+        try:
+            load_cluster_map(cluster_map)
+        except ClusterMapError as exc:
+            fail(str(exc), 2)
     if rate is not None and generate is None:
         fail("--rate needs --generate N", 2)
     workload = None if generate is None else Workload(generate, keys or 0, delete_ratio, seed)
@@ -400,6 +444,7 @@ def router(
         memory_bytes=int(memory_mb * (1 << 20)),
         generate=workload,
         rate=rate,
+        cluster_map=cluster_map,
     )
     try:
         log = SourceLog(state, vbuckets)
@@ -568,6 +613,11 @@ def list_indexes(url: str | None, config_file: Path | None) -> None:
 )
 @click.option("--limit", type=click.IntRange(0))
 @click.option("--timeout", type=click.FloatRange(0), default=120, show_default=True)
+@click.option(
+    "--cluster-map",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Scan every node of this cluster map and merge the rows in index order.",
+)
 def scan(
     name: str,
     url: str | None,
@@ -580,8 +630,10 @@ def scan(
     at_plus: str | None,
     limit: int | None,
     timeout: float,
+    cluster_map: Path | None,
 ) -> None:
-    """Print index NAME's entries (JSONL, index order) from the running daemon."""
+    """Print index NAME's entries (JSONL, index order) from the running daemon, or from every
+    node of a cluster map."""
     import json
 
     import httpx
@@ -611,6 +663,11 @@ def scan(
         params["at_plus"] = json.dumps(vector)
     if limit is not None:
         params["limit"] = limit
+    if cluster_map is not None:
+        if url is not None:
+            fail("give --url or --cluster-map, not both", 2)
+        _scan_cluster(cluster_map, name, params, timeout + 30)
+        return
     base = _http_url(url, config_file)
     try:
         with httpx.stream(
@@ -625,6 +682,26 @@ def scan(
                     out.write(line + "\n")
     except httpx.HTTPError as exc:
         fail(f"cannot reach the daemon at {base}: {exc}")
+    except BrokenPipeError:
+        sys.stderr.close()
+
+
+def _scan_cluster(path: Path, name: str, params: dict[str, Any], timeout: float) -> None:
+    import json
+
+    from indexer.cluster import ClusterMapError, ClusterScanError, load_cluster_map, scan_cluster
+
+    try:
+        cluster = load_cluster_map(path)
+    except ClusterMapError as exc:
+        fail(str(exc), 2)
+    try:
+        with scan_cluster(cluster, name, params, timeout) as rows:
+            out = sys.stdout
+            for row in rows:
+                out.write(json.dumps(row, ensure_ascii=False, separators=(", ", ": ")) + "\n")
+    except ClusterScanError as exc:
+        fail(str(exc))
     except BrokenPipeError:
         sys.stderr.close()
 

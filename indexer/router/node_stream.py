@@ -119,7 +119,8 @@ class NodeCursors:
         self.backfilled = 0
         self.skipped = 0
         restart = {position.vbucket: position.seqno for position in reply.restart}
-        self.vbuckets = list(range(reply.num_vbuckets))
+        # Only what the node owns: a vbucket of another node would get NOT_MY_SLICE.
+        self.vbuckets = sorted(reply.owned)
         try:
             for vb in self.vbuckets:
                 seqno = restart.get(vb, 0)

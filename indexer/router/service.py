@@ -45,6 +45,7 @@ BACKOFF_MAX_S = 5.0
 STEADY_S = 2.0  # a connection up this long resets the backoff
 MAX_BODY = 1 << 20
 MAX_DOCID_BYTES = 250
+MAP_POLL_S = 2.0  # how often a cluster map file is looked at for changes
 DEFAULT_MEMORY_BYTES = 256 << 20  # the Mutation Manager's cap
 
 Address = tuple[str, int]
@@ -62,6 +63,7 @@ class RouterOptions:
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     generate: Workload | None = None
     rate: float | None = None  # generated documents per second; None: as fast as appended
+    cluster_map: Path | None = None  # the nodes come from this map, re-read as it changes
 
 
 class LineSplitter:
@@ -214,6 +216,8 @@ class Nodes:
     def __init__(self, targets: Sequence[Address]) -> None:
         self.progress = {f"{host}:{port}": NodeProgress() for host, port in targets}
         self.scopes: dict[str, trio.CancelScope] = {}
+        # Called when a node refuses a vbucket (NOT_MY_SLICE): the cluster map may have changed.
+        self.on_not_my_slice: Callable[[], None] | None = None
 
     def reconnect_all(self) -> None:
         """Close every connection; each node task connects again at once (a new handshake)."""
@@ -326,6 +330,9 @@ async def _keep_streaming(
             continue
         except (FeedError, OSError) as exc:
             code = exc.code if isinstance(exc, FeedError) else None
+            if code is p.ErrorCode.NOT_MY_SLICE and nodes.on_not_my_slice is not None:
+                log.warning("%s: %s; re-reading the cluster map", name, exc)
+                nodes.on_not_my_slice()
             if build and code is p.ErrorCode.BUILD_DONE:
                 log.info("%s: the build stream is done: %s", name, exc)
                 nodes.progress.pop(name, None)
@@ -499,17 +506,87 @@ async def serve_http(
         task_status.started(binds[0] if binds else f"http://{host}:{port}")
 
 
+class ClusterWatch:
+    """The targets of a cluster map: re-read when the file changes or a node says
+    NOT_MY_SLICE, and handed to `reconcile` whenever they differ."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._poked = trio.Event()
+
+    def poke(self) -> None:
+        self._poked.set()
+
+    def load(self) -> list[Address] | None:
+        """The map's feed addresses, or None if it is unchanged or (logged) unreadable."""
+        from indexer.cluster import ClusterMapError, load_cluster_map
+
+        try:
+            stat = self.path.stat()
+        except OSError as exc:
+            log.error("cluster map %s: %s; keeping the nodes as they are", self.path, exc)
+            return None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp and not self._poked.is_set():
+            return None
+        self._stamp = stamp
+        try:
+            cluster = load_cluster_map(self.path)
+        except ClusterMapError as exc:
+            log.error("%s; keeping the nodes as they are", exc)
+            return None
+        return [node.feed for node in cluster.nodes]
+
+    async def run(self, reconcile: Callable[[list[Address]], None]) -> None:
+        while True:
+            with trio.move_on_after(MAP_POLL_S):
+                await self._poked.wait()
+            targets = self.load()
+            self._poked = trio.Event()
+            if targets is not None:
+                reconcile(targets)
+
+
 async def run_router(source: SourceLog, options: RouterOptions) -> None:
     """Run the router until SIGINT or SIGTERM; then close the connections and return."""
     highs = {vb: source.high_seqno(vb) for vb in source.vbuckets_with_history()}
     appender = Appender(source, MutationManager(options.memory_bytes, high_seqnos=highs))
-    nodes = Nodes(options.targets)
+    targets = list(options.targets)
+    watch = ClusterWatch(options.cluster_map) if options.cluster_map is not None else None
+    if watch is not None:
+        targets = watch.load() or targets
+    nodes = Nodes(targets)
+    running: dict[Address, trio.CancelScope] = {}
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            for address in options.targets:
-                nursery.start_soon(
-                    stream_to_node, address, source, appender, nodes, options.router_name
-                )
+
+            async def node_task(address: Address, scope: trio.CancelScope) -> None:
+                try:
+                    with scope:
+                        await stream_to_node(address, source, appender, nodes, options.router_name)
+                finally:
+                    if running.get(address) is scope:
+                        del running[address]
+
+            def start_node(address: Address) -> None:
+                scope = running[address] = trio.CancelScope()
+                nursery.start_soon(node_task, address, scope)
+
+            def reconcile(wanted: list[Address]) -> None:
+                for address in [a for a in running if a not in wanted]:
+                    log.info("%s:%d left the cluster map: closing its streams", *address)
+                    running.pop(address).cancel()
+                for address in wanted:
+                    if address not in running:
+                        log.info("%s:%d is in the cluster map: streaming to it", *address)
+                        start_node(address)
+
+            for address in targets:
+                start_node(address)
+            if watch is not None:
+                nodes.on_not_my_slice = watch.poke
+                nursery.start_soon(watch.run, reconcile)
             if options.http is not None:
                 url = await nursery.start(serve_http, options.http, appender, nodes)
                 log.info(
@@ -524,7 +601,7 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                 "router running: source log in %s, %d vbuckets; streaming to %s",
                 source.path,
                 source.num_vbuckets,
-                ", ".join(f"{host}:{port}" for host, port in options.targets),
+                ", ".join(f"{host}:{port}" for host, port in targets),
             )
             async for signum in signals:
                 log.info("%s received: stopping", signal.Signals(signum).name)

@@ -69,6 +69,7 @@ class Daemon:
         text = config.read_text()
         self.http_port = int(text.split("http_port = ", 1)[1].split("\n", 1)[0])
         self.proc: subprocess.Popen[bytes] | None = None
+        self.args: list[str] = []  # more `indexer serve` arguments
 
     @property
     def address(self) -> str:
@@ -82,7 +83,7 @@ class Daemon:
         mark = self.log().count("listening for router feeds")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                indexer_command("serve", "--config", str(self.config)), stderr=log
+                indexer_command("serve", "--config", str(self.config), *self.args), stderr=log
             )
         deadline = time.monotonic() + timeout
         while self.log().count("listening for router feeds") <= mark:

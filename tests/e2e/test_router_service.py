@@ -197,7 +197,11 @@ def test_the_generator_input_reaches_the_daemon_at_its_rate(
 
 def test_bad_router_commands_fail_with_one_line(tmp_path: Path) -> None:
     for args, message in (
-        (["--state", str(tmp_path / "s")], "Missing option '--to'"),
+        (["--state", str(tmp_path / "s")], "give the nodes with --to HOST:PORT or --cluster-map"),
+        (
+            ["--state", str(tmp_path / "s"), "--cluster-map", str(tmp_path / "none.toml")],
+            "none.toml",
+        ),
         (["--state", str(tmp_path / "s"), "--to", "nowhere"], "--to: 'nowhere' is not HOST:PORT"),
         (["--state", str(tmp_path / "s"), "--to", "h:1", "--to", "h:1"], "h:1 is given twice"),
         (["--state", str(tmp_path / "s"), "--to", "h:1", "--follow"], "--follow needs --jsonl"),

@@ -1,0 +1,222 @@
+"""The cluster map: which indexer node owns which vbuckets (its slice), and scans over all nodes.
+
+A map is a TOML file:
+
+    num_vbuckets = 1024
+    [nodes.a]
+    feed = "127.0.0.1:9105"        # where routers connect
+    http = "127.0.0.1:9102"        # the node's HTTP API
+    vbuckets = ["0-511"]           # numbers and "first-last" ranges
+    [nodes.b]
+    feed = "127.0.0.1:9205"
+    http = "127.0.0.1:9202"
+    vbuckets = ["512-1023"]
+
+Every vbucket belongs to exactly one node. `indexer serve --cluster-map F --node a` takes its
+slice and ports from it, `indexer router --cluster-map F` streams to every node (each gets only
+its vbuckets), and `indexer scan --cluster-map F` fans a scan out to every node and merges the
+rows in index order (`merge_rows`): a document lives in one vbucket, so in one node's slice.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+import tomllib
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from indexer.keys import MISSING, encode_key
+
+NODE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+
+
+class ClusterMapError(ValueError):
+    """The map is unreadable or inconsistent; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One indexer node: its name, feed address, HTTP address and vbuckets."""
+
+    name: str
+    feed: tuple[str, int]
+    http: tuple[str, int]
+    vbuckets: tuple[int, ...]
+
+    @property
+    def feed_address(self) -> str:
+        return f"{self.feed[0]}:{self.feed[1]}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http[0]}:{self.http[1]}"
+
+
+@dataclass(frozen=True)
+class ClusterMap:
+    num_vbuckets: int
+    nodes: tuple[ClusterNode, ...]
+
+    def node(self, name: str) -> ClusterNode:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        known = ", ".join(n.name for n in self.nodes)
+        raise ClusterMapError(f"no node named {name!r} in the map (nodes: {known})")
+
+    def owner(self, vbucket: int) -> ClusterNode:
+        for node in self.nodes:
+            if vbucket in node.vbuckets:
+                return node
+        raise ClusterMapError(f"vbucket {vbucket} has no node")
+
+
+def _address(value: Any, key: str) -> tuple[str, int]:
+    if isinstance(value, str):
+        host, sep, port = value.rpartition(":")
+        if sep and host and port.isdigit() and 0 < int(port) < 65536:
+            return host, int(port)
+    raise ClusterMapError(f"{key}: {value!r} is not HOST:PORT")
+
+
+def parse_vbuckets(spec: Any, num: int, key: str) -> tuple[int, ...]:
+    """Vbucket numbers and "first-last" ranges (or "all") as a sorted tuple."""
+    if spec == "all":
+        return tuple(range(num))
+    if not isinstance(spec, list) or not spec:
+        raise ClusterMapError(f'{key}: must be "all" or a list of vbuckets and "first-last" ranges')
+    owned: set[int] = set()
+    for item in spec:
+        if isinstance(item, int) and not isinstance(item, bool):
+            first = last = item
+        elif isinstance(item, str) and re.fullmatch(r"\d+-\d+", item):
+            first, last = (int(x) for x in item.split("-"))
+        else:
+            raise ClusterMapError(f"{key}: {item!r} is neither a vbucket nor a range like '0-511'")
+        if not 0 <= first <= last < num:
+            raise ClusterMapError(f"{key}: {item!r} is outside 0-{num - 1}")
+        owned.update(range(first, last + 1))
+    return tuple(sorted(owned))
+
+
+def parse_cluster_map(text: str, source: str = "cluster map") -> ClusterMap:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ClusterMapError(f"{source}: not valid TOML: {exc}") from None
+    unknown = set(raw) - {"num_vbuckets", "nodes"}
+    if unknown:
+        raise ClusterMapError(f"{source}: {sorted(unknown)[0]}: unknown key")
+    num = raw.get("num_vbuckets", 1024)
+    if not isinstance(num, int) or isinstance(num, bool) or not 1 <= num <= 65536:
+        raise ClusterMapError(f"{source}: num_vbuckets: a whole number from 1 to 65536")
+    tables = raw.get("nodes")
+    if not isinstance(tables, dict) or not tables:
+        raise ClusterMapError(f"{source}: nodes: at least one [nodes.NAME] table")
+    nodes = []
+    owner: dict[int, str] = {}
+    for name, table in tables.items():
+        key = f"{source}: nodes.{name}"
+        if not NODE_NAME.match(name):
+            raise ClusterMapError(f"{key}: a node name is a letter then letters, digits, _ or -")
+        if not isinstance(table, dict):
+            raise ClusterMapError(f"{key}: must be a table")
+        extra = set(table) - {"feed", "http", "vbuckets"}
+        if extra:
+            raise ClusterMapError(f"{key}.{sorted(extra)[0]}: unknown key")
+        for needed in ("feed", "http", "vbuckets"):
+            if needed not in table:
+                raise ClusterMapError(f"{key}.{needed}: missing")
+        vbuckets = parse_vbuckets(table["vbuckets"], num, f"{key}.vbuckets")
+        for vb in vbuckets:
+            if vb in owner:
+                raise ClusterMapError(
+                    f"{key}.vbuckets: vbucket {vb} is also in nodes.{owner[vb]}.vbuckets"
+                )
+            owner[vb] = name
+        nodes.append(
+            ClusterNode(
+                name,
+                _address(table["feed"], f"{key}.feed"),
+                _address(table["http"], f"{key}.http"),
+                vbuckets,
+            )
+        )
+    missing = [vb for vb in range(num) if vb not in owner]
+    if missing:
+        raise ClusterMapError(
+            f"{source}: {len(missing)} vbuckets have no node (the first: {missing[0]})"
+        )
+    return ClusterMap(num, tuple(nodes))
+
+
+def load_cluster_map(path: Path) -> ClusterMap:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ClusterMapError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_cluster_map(text, str(path))
+
+
+def row_order(row: dict[str, Any]) -> tuple[bytes, bytes]:
+    """Where a scan row (`{"key": [...], "id": ...}`, `missing` positions) sorts in an index:
+    its encoded key, then its docid's bytes, as the main index orders entries."""
+    missing = set(row.get("missing", ()))
+    values = [MISSING if i in missing else v for i, v in enumerate(row["key"])]
+    return encode_key(values), str(row["id"]).encode()
+
+
+def merge_rows(streams: Iterable[Iterable[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
+    """The rows of several nodes' scans (each in index order) as one scan in index order."""
+    return heapq.merge(*streams, key=row_order)
+
+
+def ndjson_rows(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.strip():
+            row: dict[str, Any] = json.loads(line)
+            yield row
+
+
+class ClusterScanError(Exception):
+    """A node refused or failed a fanned-out scan; the message names the node."""
+
+
+@contextmanager
+def scan_cluster(
+    cluster: ClusterMap, index: str, params: dict[str, Any], timeout: float
+) -> Iterator[Iterator[dict[str, Any]]]:
+    """Every node's scan of `index` with the same parameters, merged in index order.
+
+    All nodes are asked at once and read as the merge needs them (each node streams its rows in
+    order, so the merge holds one row per node). `limit` is applied to the merged rows too.
+    """
+    import httpx
+
+    with httpx.Client(timeout=timeout) as client, ExitStack() as stack:
+        streams = []
+        for node in cluster.nodes:
+            url = f"{node.url}/indexes/{index}/scan"
+            try:
+                response = stack.enter_context(client.stream("GET", url, params=params))
+            except httpx.HTTPError as exc:
+                raise ClusterScanError(f"node {node.name} ({node.url}): {exc}") from None
+            if response.status_code != 200:
+                response.read()
+                try:
+                    message = response.json()["error"]
+                except (ValueError, KeyError, TypeError):
+                    message = response.text.strip()[:200]
+                raise ClusterScanError(
+                    f"node {node.name} ({node.url}): HTTP {response.status_code}: {message}"
+                )
+            streams.append(ndjson_rows(response.iter_lines()))
+        rows = merge_rows(streams)
+        limit = params.get("limit")
+        yield rows if limit is None else islice(rows, int(limit))

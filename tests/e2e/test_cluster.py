@@ -1,0 +1,108 @@
+"""Two daemons sharing the vbuckets by a cluster map, one router streaming to both, and a scan
+fanned out over both and merged. Real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from indexer.router import Workload, generate
+from indexer.router.documents import Document, vbucket_of
+from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model, wait_equal, write_jsonl
+
+pytestmark = pytest.mark.e2e
+
+
+def write_map(path: Path, nodes: dict[str, tuple[Daemon, str]]) -> Path:
+    lines = ["num_vbuckets = 1024"]
+    for name, (daemon, vbuckets) in nodes.items():
+        lines += [
+            f"[nodes.{name}]",
+            f'feed = "{daemon.address}"',
+            f'http = "127.0.0.1:{daemon.http_port}"',
+            f'vbuckets = ["{vbuckets}"]',
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def owned_by(documents: list[Document], first: int, last: int) -> list[Document]:
+    return [d for d in documents if first <= vbucket_of(d.docid.encode(), 1024) <= last]
+
+
+def cluster_scan(cluster_map: Path, name: str, *extra: str) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        indexer_command("scan", name, "--cluster-map", str(cluster_map), *extra),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_two_nodes_share_the_vbuckets_and_a_merged_scan_equals_the_model(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    a, b = daemon_factory(), daemon_factory()
+    cluster_map = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
+    for daemon, name in ((a, "a"), (b, "b")):
+        daemon.args = ["--cluster-map", str(cluster_map), "--node", name]
+        daemon.start()
+    documents = list(generate(Workload(12_000, 3_000, 0.1, 401)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
+        "--cluster-map", str(cluster_map),
+    )  # fmt: skip
+    # Each node holds exactly the documents of its slice.
+    wait_equal(a, owned_by(documents, 0, 511))
+    wait_equal(b, owned_by(documents, 512, 1023))
+    for daemon, count in ((a, 512), (b, 512)):
+        stats = httpx.get(f"{daemon.url}/stats").json()
+        assert stats["vbuckets"]["owned"] == count, stats["vbuckets"]
+    # The fanned-out scan merges both in index order and equals the model of everything.
+    for name, paths in INDEXES.items():
+        assert cluster_scan(cluster_map, name, "--consistency", "request_plus") == model(
+            documents, paths
+        )
+    ranged = cluster_scan(cluster_map, "by_age", "--low", "30", "--high", "40", "--limit", "25")
+    everything = model(documents, INDEXES["by_age"])
+    in_range = [
+        row
+        for row in everything
+        if isinstance(row["key"][0], int | float) and 30 <= row["key"][0] <= 40
+    ]
+    assert len(in_range) > 25 and ranged == in_range[:25]
+    # A node that is down makes the merged scan fail with one line naming it.
+    assert b.stop() == 0
+    down = subprocess.run(
+        indexer_command("scan", "by_age", "--cluster-map", str(cluster_map)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert down.returncode == 1 and "node b (http://127.0.0.1:" in down.stderr, down.stderr
+    assert down.stderr.count("\n") == 1
+    assert router.stop() == 0
+    assert "NOT_MY_SLICE" not in router.log()
+    assert a.stop() == 0
+
+
+def test_bad_cluster_map_commands_fail_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[nodes.a]\nfeed = "127.0.0.1:1"\nhttp = "127.0.0.1:2"\nvbuckets = ["0-9"]\n')
+    for args, message in (
+        (["serve", "--cluster-map", str(bad), "--node", "a"], "vbuckets have no node"),
+        (["serve", "--cluster-map", str(bad)], "--cluster-map and --node go together"),
+        (["scan", "x", "--cluster-map", str(bad)], "vbuckets have no node"),
+        (["scan", "x", "--cluster-map", str(tmp_path / "none.toml")], "cannot read"),
+    ):
+        result = subprocess.run(indexer_command(*args), capture_output=True, text=True, timeout=30)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
