@@ -8,10 +8,14 @@ maintenance stream keeps the active indexes current meanwhile and never waits fo
 flush writes the entries and the build's progress in one WriteBatch: a daemon killed during a
 build resumes from its progress. Once the build has caught up with what the maintenance stream
 has received, the catalog merges it (`IndexCatalog.merge_build`): maintenance stops at a
-timestamp M, the build is completed exactly up to M (later mutations on the build stream are
-dropped: maintenance resends them from M on, with the new index's key), and the index joins the
-maintenance stream. Nothing is lost. Where the build had run ahead of M before the merge began,
-maintenance applies those seqnos again with the same keys, which changes nothing.
+timestamp M, the build goes on until it has completed a snapshot reaching M in every vbucket,
+and the index joins the maintenance stream, which resumes from M. Nothing is lost. What the build
+applied past M (the rest of those snapshots) maintenance applies again, in seqno order, with
+the same keys, which ends in the same entries.
+
+Progress is measured by whole snapshots: the router de-duplicates a document's versions inside
+a snapshot, so a given seqno may never arrive, but after a snapshot's last item the build holds
+every document's latest version as of the snapshot's end.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from workers.flush import BackIndexCache, IndexWriter
 log = logging.getLogger("indexer.build")
 
 BUILD_CHANNEL_BATCHES = 8
-"""MUTATIONS frames queued between a build connection and its writer: TCP pushes back beyond."""
+"""Lists of frames queued between a build connection and its writer: TCP pushes back beyond."""
 
 FLUSH_RECORDS = 20_000
 """Records gathered from the channel into one build flush at most."""
@@ -89,14 +93,16 @@ class IndexBuild:
         self.cache = BackIndexCache(cache_capacity, 1)
         self.cache.load(store, [index])
         self.writer = IndexWriter(store, [index], self.cache)
-        self.send, self._receive = trio.open_memory_channel[list[p.MutationBatch]](
-            BUILD_CHANNEL_BATCHES
-        )
+        self.send, self._receive = trio.open_memory_channel[
+            list[p.MutationBatch | p.SnapshotMarker]
+        ](BUILD_CHANNEL_BATCHES)
+        # Per vbucket: the end of the snapshot being received, and the end of the last one
+        # received whole and written (what the build covers).
+        self._snapshot_end = [0] * n
+        self.covered = list(self.progress)
         self.state = "building"
         self.items = 0
         self.entries = sum(1 for keys in self.cache.entries.values() if keys[0])
-        # While merging: per vbucket, the seqno the build stops at (maintenance's).
-        self.cap: list[int] | None = None
         self._moved = trio.Event()
         self._reported = False
 
@@ -120,8 +126,9 @@ class IndexBuild:
         )
 
     def reached(self, upto: Sequence[int]) -> bool:
+        """Whether the build holds every document's latest version as of `upto` (or later)."""
         owned = self.maintenance.owned
-        pairs = enumerate(zip(self.progress, upto, strict=True))
+        pairs = enumerate(zip(self.covered, upto, strict=True))
         return all(b >= u for vb, (b, u) in pairs if owned[vb])
 
     async def wait_moved(self) -> None:
@@ -129,7 +136,6 @@ class IndexBuild:
 
     def rearm(self) -> None:
         """A merge was given up: report catching up again when it next does."""
-        self.cap = None
         self.state = "building"
         self._reported = False
 
@@ -138,7 +144,7 @@ class IndexBuild:
         `rearm`)."""
         self._reported = False
         while True:
-            batches: list[p.MutationBatch] = []
+            batches: list[p.MutationBatch | p.SnapshotMarker] = []
             with trio.move_on_after(CHECK_S):
                 batches.extend(await self._receive.receive())
             while len(batches) < FLUSH_RECORDS:
@@ -153,27 +159,31 @@ class IndexBuild:
                 self._reported = True
                 await on_caught_up.send(self)
 
-    async def _flush(self, batches: list[p.MutationBatch]) -> None:
+    async def _flush(self, items: list[p.MutationBatch | p.SnapshotMarker]) -> None:
         blob = bytearray()
         offsets: list[int] = []
         progress = list(self.progress)
-        cap = self.cap
-        for batch in batches:
-            vb = batch.vbucket
-            for seqno, start, length in zip(batch.seqnos, batch.starts, batch.lengths, strict=True):
-                if cap is not None and seqno > cap[vb]:
-                    continue  # maintenance resends it with this index's key after the merge
+        ends = self._snapshot_end
+        for item in items:
+            vb = item.vbucket
+            if type(item) is p.SnapshotMarker:
+                ends[vb] = item.end
+                continue
+            assert type(item) is p.MutationBatch
+            for start, length in zip(item.starts, item.lengths, strict=True):
                 offsets.append(len(blob))
-                blob += batch.payload[start : start + length]
-                progress[vb] = max(progress[vb], seqno)
-        if not offsets:
-            return
-        write, result = self.writer.prepare(memoryview(blob), offsets)
-        write.put(progress_key(self.index), struct.pack(f">{len(progress)}Q", *progress))
-        await trio.to_thread.run_sync(write.write)
+                blob += item.payload[start : start + length]
+            progress[vb] = max(progress[vb], item.seqnos[-1])
+        if offsets:
+            write, result = self.writer.prepare(memoryview(blob), offsets)
+            write.put(progress_key(self.index), struct.pack(f">{len(progress)}Q", *progress))
+            await trio.to_thread.run_sync(write.write)
+            self.items += result.mutations
+            self.entries += result.entry_deltas[0]
         self.progress[:] = progress
-        self.items += result.mutations
-        self.entries += result.entry_deltas[0]
+        for vb, end in enumerate(ends):
+            if progress[vb] >= end > self.covered[vb]:  # the snapshot's last item is written
+                self.covered[vb] = end
         self._moved.set()
         self._moved = trio.Event()
 

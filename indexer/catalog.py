@@ -165,10 +165,11 @@ class IndexCatalog:
     async def merge_build(self, build: IndexBuild) -> bool:
         """Make a caught-up build's index active at the timestamp maintenance stops at."""
         name = build.name
+        merged_at: list[int] = []
 
         async def complete_build() -> None:
             upto = list(self.reader.registry.received)
-            build.cap = upto  # the build stream's later mutations come again by maintenance
+            merged_at[:] = upto
             with trio.move_on_after(MERGE_TIMEOUT_S):
                 while not build.reached(upto):
                     await build.wait_moved()
@@ -204,7 +205,7 @@ class IndexCatalog:
             "index %s built: %d mutations from its build stream; active from seqno sum %d",
             name,
             build.items,
-            sum(build.cap or ()),
+            sum(merged_at),
         )
         return True
 

@@ -400,10 +400,12 @@ class Reader:
                 if accepted:
                     if build is None:
                         await items.send(accepted)
-                    else:  # the build writer takes only mutations
-                        mutations = [i for i in accepted if type(i) is p.MutationBatch]
-                        if mutations:
-                            await build.send.send(mutations)
+                    else:  # the build writer takes mutations and snapshot markers
+                        wanted = [
+                            i for i in accepted if type(i) in (p.MutationBatch, p.SnapshotMarker)
+                        ]
+                        if wanted:
+                            await build.send.send(wanted)  # type: ignore[arg-type]
             # Credit goes back once frames are in the pipeline, in steps, not per frame.
             credit += unread - decoder.buffered
             handshake = conn.handshake
