@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -27,6 +28,7 @@ import trio
 
 from indexer import protocol as p
 from indexer.router.documents import Document, DocumentError, parse_line, vbucket_of
+from indexer.router.expiry import with_absolute_expiry
 from indexer.router.feed import RECONNECT_CODES, FeedError
 from indexer.router.mutations import MutationManager
 from indexer.router.node_stream import NodeProgress, follow_memory
@@ -46,6 +48,8 @@ STEADY_S = 2.0  # a connection up this long resets the backoff
 MAX_BODY = 1 << 20
 MAX_DOCID_BYTES = 250
 MAP_POLL_S = 2.0  # how often a cluster map file is looked at for changes
+EXPIRY_PAGER_S = 1.0  # how often the expiry pager looks for expired documents
+EXPIRY_BATCH = 10_000  # expired documents deleted per append
 DEFAULT_MEMORY_BYTES = 256 << 20  # the Mutation Manager's cap
 
 Address = tuple[str, int]
@@ -99,7 +103,12 @@ def parse_lines(lines: Sequence[tuple[int, bytes]], where: str) -> tuple[list[Do
         try:
             text = raw.decode("utf-8")
             if text.strip():
-                documents.append(parse_line(text, f"{where}:{number}"))
+                document = parse_line(text, f"{where}:{number}")
+                try:
+                    with_absolute_expiry(document, 0.0)  # a bad `_exp` is a bad line
+                except DocumentError as exc:
+                    raise DocumentError(f"{where}:{number}: {exc}") from None
+                documents.append(document)
         except UnicodeDecodeError:
             errors.append(f"{where}:{number}: not UTF-8")
         except DocumentError as exc:
@@ -117,6 +126,7 @@ class Appender:
         self.lock = trio.Lock()
         self._changed = trio.Event()
         self.dropped = 0  # cursors dropped over the memory cap
+        self.expired = 0  # documents deleted by the expiry pager
 
     def next_change(self) -> trio.Event:
         """The event the next append sets."""
@@ -127,21 +137,25 @@ class Appender:
         if not documents:
             return []
         async with self.lock:
-            # The log's in-memory state changes in one step after the batch is written, so the
-            # streaming tasks read either the log before this batch or after it. The manager
-            # only gets what the log holds: a dropped cursor finds everything there.
-            positions, payloads = await trio.to_thread.run_sync(self._append, documents)
-            write = self.mm.write
-            for (vb, seqno), document, payload in zip(positions, documents, payloads, strict=True):
-                for backfill in write(vb, seqno, document.docid.encode(), payload):
-                    self.dropped += 1
-                    log.info(
-                        "%s fell behind on vbucket %d: it reads the source log from seqno %d",
-                        backfill.consumer,
-                        backfill.vbucket,
-                        backfill.after + 1,
-                    )
+            positions = await self._append_locked(documents)
         self.wake()
+        return positions
+
+    async def _append_locked(self, documents: Sequence[Document]) -> list[tuple[int, int]]:
+        # The log's in-memory state changes in one step after the batch is written, so the
+        # streaming tasks read either the log before this batch or after it. The manager
+        # only gets what the log holds: a dropped cursor finds everything there.
+        positions, payloads = await trio.to_thread.run_sync(self._append, documents)
+        write = self.mm.write
+        for (vb, seqno), document, payload in zip(positions, documents, payloads, strict=True):
+            for backfill in write(vb, seqno, document.docid.encode(), payload):
+                self.dropped += 1
+                log.info(
+                    "%s fell behind on vbucket %d: it reads the source log from seqno %d",
+                    backfill.consumer,
+                    backfill.vbucket,
+                    backfill.after + 1,
+                )
         return positions
 
     def wake(self) -> None:
@@ -152,6 +166,9 @@ class Appender:
         self, documents: Sequence[Document]
     ) -> tuple[list[tuple[int, int]], list[bytes | None]]:
         n = self.source.num_vbuckets
+        now = time.time()
+        # Stored with an absolute `_exp`: the manager's payloads must match the log.
+        documents = [with_absolute_expiry(d, now) for d in documents]
         highs: dict[int, int] = {}
         positions = []
         for document in documents:
@@ -159,9 +176,24 @@ class Appender:
             seqno = highs.get(vb, self.source.high_seqno(vb)) + 1
             highs[vb] = seqno
             positions.append((vb, seqno))
-        self.source.append(documents)
+        self.source.append(documents, now)
         payloads = [None if d.body is None else encode_document(d) for d in documents]
         return positions, payloads
+
+    async def expire(self) -> int:
+        """Delete the documents whose expiry has passed (the expiry pager's step); how many.
+
+        Under the append lock: what is due is judged on the latest version of each document.
+        """
+        async with self.lock:
+            due = await trio.to_thread.run_sync(self.source.due_expiries, time.time())
+            if due:
+                await self._append_locked([Document(docid, None) for docid in due])
+                self.expired += len(due)
+        if due:
+            self.wake()
+            log.info("expired %d documents", len(due))
+        return len(due)
 
     async def failover(self, vbucket: int, seqno: int | None) -> tuple[int, int]:
         """Fail the vbucket's source over at `seqno` (default: its high seqno); (vbuuid, seqno).
@@ -223,6 +255,14 @@ class Nodes:
         """Close every connection; each node task connects again at once (a new handshake)."""
         for scope in self.scopes.values():
             scope.cancel()
+
+
+async def expire_documents(appender: Appender) -> None:
+    """The expiry pager: every EXPIRY_PAGER_S, delete what has expired (as a delete mutation)."""
+    while True:
+        await trio.sleep(EXPIRY_PAGER_S)
+        while await appender.expire() >= EXPIRY_BATCH:
+            pass  # more are due: go on at once
 
 
 async def generate_input(workload: Workload, rate: float | None, appender: Appender) -> None:
@@ -416,6 +456,10 @@ class DocsApi:
             if not isinstance(value, dict):
                 return 400, {"error": "the body must be a JSON object (the document)"}
             document = Document(docid, value)
+            try:
+                with_absolute_expiry(document, 0.0)
+            except DocumentError as exc:
+                return 400, {"error": str(exc)}
         ((vbucket, seqno),) = await self.appender.append([document])
         return 200, {"vbucket": vbucket, "seqno": seqno}
 
@@ -455,6 +499,10 @@ class DocsApi:
             "mutation_manager": dataclasses.asdict(self.appender.mm.stats()),
             "nodes": {
                 name: dataclasses.asdict(progress) for name, progress in self.nodes.progress.items()
+            },
+            "expiry": {
+                "pending": source.pending_expiries,
+                "expired": self.appender.expired,
             },
             "source": {
                 "vbuckets": source.num_vbuckets,
@@ -593,6 +641,7 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                     "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats)",
                     url,
                 )
+            nursery.start_soon(expire_documents, appender)
             if options.jsonl is not None:
                 nursery.start_soon(read_jsonl_input, options.jsonl, options.follow, appender)
             if options.generate is not None:

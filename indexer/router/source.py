@@ -4,6 +4,8 @@ One LevelDB database in the router's state directory (`STATE_DIR`):
 
     b"s" + vbucket (u16) + seqno (u64)  -> {"id": .., "doc": {..}} or {"id": .., "deleted": true}
     b"v" + vbucket (u16)                -> {"high": seqno, "failover": [[vbuuid, seqno], ...]}
+    b"e" + expiry (u64) + docid          -> b"" (documents whose latest version expires then)
+    b"y" + docid                         -> expiry (u64) of the document's latest version
     b"\\x00meta:num_vbuckets"            -> the number of vbuckets, fixed at creation
 
 A vbucket's failover log lists the branches of its history, newest first: (vbuuid, the seqno
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import secrets
 import struct
+import time
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,7 @@ from typing import Any
 
 from indexer.protocol import MAX_FAILOVER_ENTRIES
 from indexer.router.documents import Document, vbucket_of
+from indexer.router.expiry import expiry_of, with_absolute_expiry
 from indexer.storage import open_leveldb
 
 STATE_DIR = "source"
@@ -32,6 +36,9 @@ _META_VBUCKETS = b"\x00meta:num_vbuckets"
 _RECORD = b"s"
 _VBUCKET = b"v"
 _VB = struct.Struct(">H")
+_EXPIRY = b"e"
+_PENDING = b"y"
+_TIME = struct.Struct(">Q")
 _KEY = struct.Struct(">HQ")
 _MAX_SEQNO = (1 << 64) - 1
 
@@ -50,6 +57,10 @@ class SourceLockedError(SourceError):
 def record_key(vbucket: int, seqno: int) -> bytes:
     """The key of one version of a document."""
     return _RECORD + _KEY.pack(vbucket, seqno)
+
+
+def expiry_key(when: int, docid: str) -> bytes:
+    return _EXPIRY + _TIME.pack(when) + docid.encode()
 
 
 def encode_document(document: Document) -> bytes:
@@ -113,6 +124,11 @@ class SourceLog:
         try:
             self.num_vbuckets = self._check_vbuckets(num_vbuckets)
             self._vbuckets = self._load_vbuckets()
+            # docid -> expiry of its latest version, for the documents that have one.
+            self._pending = {
+                key[1:].decode(): _TIME.unpack(value)[0]
+                for key, value in self.db.iterator(prefix=_PENDING)
+            }
         except BaseException:
             self.db.close()
             raise
@@ -215,28 +231,72 @@ class SourceLog:
             if vbuuid and vbuuid not in used:
                 return vbuuid
 
-    def append(self, documents: Iterable[Document]) -> int:
+    def append(self, documents: Iterable[Document], now: float | None = None) -> int:
         """Give each document the next seqno of its vbucket and store it; one synced batch.
 
-        Returns how many documents were appended.
+        An `_exp` is stored as an absolute unix time (relative to `now`, default the clock), and
+        the expiry index follows each document's latest version. Returns how many documents were
+        appended.
         """
         changed: dict[int, _Vbucket] = {}
+        pending: dict[str, int | None] = {}  # docid -> its new expiry (None: none any more)
         count = 0
         n = self.num_vbuckets
+        clock = time.time() if now is None else now
         # transaction: a document source failing half way (a bad input line) writes nothing.
         with self.db.write_batch(transaction=True, sync=True) as batch:
             for document in documents:
+                document = with_absolute_expiry(document, clock)
                 vb = vbucket_of(document.docid.encode(), n)
                 state = changed.get(vb)
                 if state is None:
                     state = changed[vb] = self._copy(self._state(vb))
                 state.high += 1
                 batch.put(record_key(vb, state.high), encode_document(document))
+                self._track_expiry(batch, document, pending)
                 count += 1
             for vb, state in changed.items():
                 batch.put(_VBUCKET + _VB.pack(vb), state.encode())
         self._vbuckets.update(changed)
+        self._apply_pending(pending)
         return count
+
+    def _track_expiry(self, batch: Any, document: Document, pending: dict[str, int | None]) -> None:
+        """Point the expiry index at the document's new version (in the append's batch)."""
+        docid = document.docid
+        old = pending[docid] if docid in pending else self._pending.get(docid)
+        new = expiry_of(document)
+        if old == new:
+            return
+        if old is not None:
+            batch.delete(expiry_key(old, docid))
+            batch.delete(_PENDING + docid.encode())
+        if new is not None:
+            batch.put(expiry_key(new, docid), b"")
+            batch.put(_PENDING + docid.encode(), _TIME.pack(new))
+        pending[docid] = new
+
+    def _apply_pending(self, pending: dict[str, int | None]) -> None:
+        for docid, when in pending.items():
+            if when is None:
+                self._pending.pop(docid, None)
+            else:
+                self._pending[docid] = when
+
+    def due_expiries(self, now: float, limit: int = 10_000) -> list[str]:
+        """Documents whose latest version expired at or before `now`, earliest first."""
+        stop = _EXPIRY + _TIME.pack(int(now) + 1)
+        due = []
+        for key in self.db.iterator(start=_EXPIRY, stop=stop, include_value=False):
+            due.append(key[1 + _TIME.size :].decode())
+            if len(due) >= limit:
+                break
+        return due
+
+    @property
+    def pending_expiries(self) -> int:
+        """Documents whose latest version has an expiry still to come (or just due)."""
+        return len(self._pending)
 
     @staticmethod
     def _copy(state: _Vbucket) -> _Vbucket:
@@ -262,6 +322,7 @@ class SourceLog:
         kept = [entry for entry in state.failover if entry[1] <= seqno]
         vbuuid = self._new_vbuuid(state.failover)
         new = _Vbucket(seqno, [(vbuuid, seqno), *kept][:MAX_FAILOVER_ENTRIES])
+        pending: dict[str, int | None] = {}
         with self.db.write_batch(transaction=True, sync=True) as batch:
             if seqno < state.high:
                 for key in self.db.iterator(
@@ -271,6 +332,33 @@ class SourceLog:
                     include_value=False,
                 ):
                     batch.delete(key)
+                self._rebuild_expiries(batch, vbucket, seqno, pending)
             batch.put(_VBUCKET + _VB.pack(vbucket), new.encode())
         self._vbuckets[vbucket] = new
+        self._apply_pending(pending)
         return vbuuid, seqno
+
+    def _rebuild_expiries(
+        self, batch: Any, vbucket: int, seqno: int, pending: dict[str, int | None]
+    ) -> None:
+        """After history above `seqno` is cut: the vbucket's expiries follow the surviving
+        latest versions (blocking: reads the vbucket's log)."""
+        latest: dict[str, Document] = {}
+        for at, document in self.read(vbucket):
+            if at > seqno:
+                break
+            latest[document.docid] = document
+        n = self.num_vbuckets
+        affected = {d for d in self._pending if vbucket_of(d.encode(), n) == vbucket}
+        for docid in affected | set(latest):
+            old = self._pending.get(docid)
+            new = expiry_of(latest[docid]) if docid in latest else None
+            if old == new:
+                continue
+            if old is not None:
+                batch.delete(expiry_key(old, docid))
+                batch.delete(_PENDING + docid.encode())
+            if new is not None:
+                batch.put(expiry_key(new, docid), b"")
+                batch.put(_PENDING + docid.encode(), _TIME.pack(new))
+            pending[docid] = new
