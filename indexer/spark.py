@@ -4,13 +4,15 @@
     spark = session("my-job")                     # PYSPARK_PYTHON set, source registered
     df = (spark.read.format("indexer")
           .option("url", "http://127.0.0.1:9102")  # or .option("path", DATA_DIR): offline
-          .option("index", "by_city")
+          .option("index", "by_city")                # or .option("cluster_map", MAP): all nodes
           .load())
 
 Planning (a Python worker on the driver) pins one snapshot through the daemon's HTTP API (or,
 offline, notes the persisted snapshot file), asks for key ranges of about equal size and turns
 each into a partition; every partition reads that snapshot as Arrow record batches. Range
-filters on the leading key column narrow the scanned key range. See docs/spark.md.
+filters on the leading key column narrow the scanned key range. With a cluster map it does the
+same on every node (one pin per node, the partitions shared out by entry count), each partition
+reading one range of one node. See docs/spark.md.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ import urllib.parse
 import urllib.request
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -65,6 +68,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from indexer.cluster import ClusterMap, ClusterMapError, load_cluster_map
 from indexer.keys import MISSING, encode_key
 from indexer.scans import (
     AFTER_PREFIX,
@@ -83,11 +87,15 @@ DEFAULT_PARTITIONS = 4
 DEFAULT_LEASE_S = 600.0
 DEFAULT_TIMEOUT_S = 120.0
 SNAPSHOTS = ("persisted", "stable")
-OPTIONS = "url path index partitions snapshot consistency at_plus pin lease_s timeout pushdown"
+OPTIONS = (
+    "url path cluster_map index partitions snapshot consistency at_plus pin lease_s timeout "
+    "pushdown"
+)
 JSON_TEXT = "indexer.json_text"  # field metadata marking a column of JSON text (the default)
 OFFLINE_CHUNK_ROWS = 100_000  # rows read per hold of an offline store's lock
 BATCH_ROWS = 16_384  # rows per Arrow record batch built offline
 PLANNING_LOCK_WAIT_S = 3.0  # how long planning waits for an offline store held by another reader
+MAX_PLANNING_THREADS = 32  # nodes asked at once while planning a read over a cluster map
 # The JVM class whose private field `readInfo` tells that Spark keeps the read plan per scan
 PYTHON_SCAN_BUILDER = "org.apache.spark.sql.execution.datasources.v2.python.PythonScanBuilder"
 
@@ -109,6 +117,7 @@ class SourceOptions:
     index: str
     url: str | None = None
     path: str | None = None
+    cluster_map: str | None = None  # a cluster map file, read on the driver only
     partitions: int | None = None
     snapshot: str = "persisted"
     at_plus: dict[str, int] | None = None
@@ -135,10 +144,12 @@ class SourceOptions:
         if not index:
             raise IndexerSourceError('give the index to read: .option("index", "NAME")')
         url, path = opts.get("url") or None, opts.get("path") or None
-        if (url is None) == (path is None):
+        cluster_map = opts.get("cluster_map") or None
+        if sum(x is not None for x in (url, path, cluster_map)) != 1:
             raise IndexerSourceError(
-                'give exactly one of .option("url", "http://HOST:PORT") (a running daemon) '
-                'and .option("path", DATA_DIR) (a stopped node\'s data directory)'
+                'give exactly one of .option("url", "http://HOST:PORT") (a running daemon), '
+                '.option("path", DATA_DIR) (a stopped node\'s data directory) and '
+                '.option("cluster_map", MAP_FILE) (every node of a cluster map)'
             )
         snapshot = opts.get("snapshot", opts.get("consistency", "persisted"))
         if snapshot not in SNAPSHOTS:
@@ -148,7 +159,7 @@ class SourceOptions:
         if path is not None and (at_plus is not None or pin is not None or snapshot != "persisted"):
             raise IndexerSourceError(
                 "offline reads (path) give the persisted snapshot only: snapshot, at_plus and "
-                "pin need the url option"
+                "pin need the url or cluster_map option"
             )
         if pin is not None and at_plus is not None:
             raise IndexerSourceError("give pin or at_plus, not both")
@@ -159,6 +170,7 @@ class SourceOptions:
             index=index,
             url=url.rstrip("/") if url else None,
             path=path,
+            cluster_map=cluster_map,
             partitions=_whole(opts, "partitions", 1, 10_000),
             snapshot=snapshot,
             at_plus=at_plus,
@@ -336,6 +348,230 @@ def index_keys(url: str, index: str, timeout: float = DEFAULT_TIMEOUT_S) -> list
             return [str(k) for k in item["keys"]]
     known = ", ".join(sorted(i["name"] for i in listing)) or "none"
     raise IndexerSourceError(f"indexer at {url}: no index named {index!r} (indexes: {known})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Several nodes: a cluster map's nodes each hold the entries of their vbuckets
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A daemon a read plans over: the `url` option's, or one node of a cluster map."""
+
+    url: str
+    node: str | None = None  # the node's name in the cluster map
+    vbuckets: frozenset[int] | None = None  # the node's slice (None: every vbucket)
+
+    def say(self, message: str) -> str:
+        """`message` naming the node it is about, if it is one."""
+        return message if self.node is None else f"node {self.node}: {message}"
+
+    def at_plus(self, vector: Mapping[str, int] | None) -> dict[str, int] | None:
+        """The part of an at_plus vector the node can reach: the seqnos of its own vbuckets
+        (it never receives the others, so a snapshot of it would never cover them)."""
+        if vector is None or self.vbuckets is None:
+            return None if vector is None else dict(vector)
+        return {vb: s for vb, s in vector.items() if int(vb) in self.vbuckets}
+
+
+def load_cluster(path: str | Path) -> ClusterMap:
+    """The cluster map in the file at `path`; IndexerSourceError if unreadable or inconsistent."""
+    try:
+        return load_cluster_map(Path(path))
+    except ClusterMapError as exc:
+        raise IndexerSourceError(f"cluster_map: {exc}") from None
+
+
+def cluster_targets(cluster: ClusterMap, at_plus: Mapping[str, int] | None = None) -> list[Target]:
+    """One target per node of the map, in the map's order; checks `at_plus` against it."""
+    for vb in at_plus or {}:
+        if not (vb.isdigit() and int(vb) < cluster.num_vbuckets):
+            raise IndexerSourceError(
+                f"at_plus: vbucket {vb!r} is not one of the cluster map's vbuckets "
+                f"(0-{cluster.num_vbuckets - 1})"
+            )
+    return [Target(n.url, n.name, frozenset(n.vbuckets)) for n in cluster.nodes]
+
+
+def _targets(options: SourceOptions) -> list[Target]:
+    if options.cluster_map is not None:
+        return cluster_targets(load_cluster(options.cluster_map), options.at_plus)
+    assert options.url is not None
+    return [Target(options.url)]
+
+
+def _on_each(targets: Sequence[Target], work: Callable[[int, Target], _T]) -> list[_T | Exception]:
+    """`work(i, target)` for every target, at once; each one's answer or error (one naming its
+    node), in the targets' order."""
+
+    def run(i: int) -> _T | Exception:
+        try:
+            return work(i, targets[i])
+        except IndexerSourceError as exc:
+            return IndexerSourceError(targets[i].say(str(exc)))
+        except Exception as exc:  # a bug or an unexpected answer: raised by `_results`
+            return exc
+
+    if len(targets) == 1:
+        return [run(0)]
+    with ThreadPoolExecutor(min(len(targets), MAX_PLANNING_THREADS)) as pool:
+        return list(pool.map(run, range(len(targets))))
+
+
+def _failure(outcomes: Sequence[object]) -> Exception | None:
+    """None if no outcome is an error; else one error saying every node's failure."""
+    errors = [o for o in outcomes if isinstance(o, Exception)]
+    if not errors:
+        return None
+    if all(isinstance(e, IndexerSourceError) for e in errors):
+        return IndexerSourceError("; ".join(str(e) for e in errors))
+    return next(e for e in errors if not isinstance(e, IndexerSourceError))
+
+
+def _results(outcomes: list[_T | Exception]) -> list[_T]:
+    """The answers of `_on_each`, or its errors raised as one."""
+    failure = _failure(outcomes)
+    if failure is not None:
+        raise failure
+    return [o for o in outcomes if not isinstance(o, Exception)]
+
+
+def _pin_each(
+    targets: Sequence[Target],
+    snapshot: str,
+    at_plus: Mapping[str, int] | None,
+    lease_s: float,
+    timeout: float,
+) -> list[Pin]:
+    """A pin on every target, made at once; if any fails, the others are released."""
+    outcomes = _on_each(
+        targets,
+        lambda _, t: pin_snapshot(
+            t.url, snapshot, at_plus=t.at_plus(at_plus), lease_s=lease_s, timeout=timeout
+        ),
+    )
+    failure = _failure(outcomes)
+    if failure is not None:
+        _release_each([o for o in outcomes if isinstance(o, Pin)])
+        raise failure
+    return [o for o in outcomes if isinstance(o, Pin)]
+
+
+def _release_each(pins: Sequence[Pin]) -> None:
+    for pin in pins:
+        release(pin.url, pin.id)
+
+
+@dataclass(frozen=True)
+class ClusterPin:
+    """One pin per node of a cluster map: `.option("pin", pins.id)` reads at all of them."""
+
+    pins: dict[str, Pin]  # by node name, in the map's order
+
+    @property
+    def id(self) -> str:
+        """The `pin` option's value: a JSON object of one pin id per node."""
+        return json.dumps({node: pin.id for node, pin in self.pins.items()})
+
+    @property
+    def seqno_sum(self) -> int:
+        """The seqnos the pinned snapshots hold, over all nodes."""
+        return sum(pin.seqno_sum for pin in self.pins.values())
+
+
+def pin_cluster(
+    cluster_map: str | Path,
+    snapshot: str = "persisted",
+    *,
+    at_plus: Mapping[str, int] | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> ClusterPin:
+    """Pin a snapshot on every node of the map, as `pin_snapshot` does on one (an `at_plus`
+    vector is cut to each node's vbuckets). If a node fails, the pins made are released."""
+    cluster = load_cluster(cluster_map)
+    vector = None if at_plus is None else {str(vb): s for vb, s in at_plus.items()}
+    targets = cluster_targets(cluster, vector)
+    pins = _pin_each(targets, snapshot, vector, lease_s, timeout)
+    return ClusterPin({str(t.node): pin for t, pin in zip(targets, pins, strict=True)})
+
+
+def release_cluster(pins: ClusterPin) -> None:
+    """Release every node's pin; those already released or expired are fine."""
+    _release_each(list(pins.pins.values()))
+
+
+@contextlib.contextmanager
+def pinned_cluster(
+    cluster_map: str | Path,
+    snapshot: str = "persisted",
+    *,
+    at_plus: Mapping[str, int] | None = None,
+    lease_s: float = DEFAULT_LEASE_S,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> Iterator[ClusterPin]:
+    """Pins on every node for several reads (`.option("pin", pins.id)` with `cluster_map`),
+    released on leaving the block."""
+    pins = pin_cluster(cluster_map, snapshot, at_plus=at_plus, lease_s=lease_s, timeout=timeout)
+    try:
+        yield pins
+    finally:
+        release_cluster(pins)
+
+
+def _given_pins(pin: str, targets: Sequence[Target]) -> list[str]:
+    """The `pin` option's pin id for each target: the id itself for one daemon, a JSON object
+    naming every node of the map for a cluster."""
+    if targets[0].node is None:
+        return [pin]
+    names = [str(t.node) for t in targets]
+    try:
+        given = json.loads(pin)
+    except ValueError:
+        given = None
+    if (
+        not isinstance(given, dict)
+        or sorted(given) != sorted(names)
+        or not all(isinstance(v, str) and v for v in given.values())
+    ):
+        raise IndexerSourceError(
+            f'pin: with cluster_map, a JSON object of one pin id per node, {{"{names[0]}": '
+            f'"PIN_ID", ...}}, naming every node of the map ({", ".join(names)}): '
+            "pinned_cluster(...).id gives one"
+        )
+    return [given[name] for name in names]
+
+
+def share_partitions(counts: Sequence[int], total: int) -> list[int]:
+    """How many of `total` partitions each node gets: in proportion to its entries (`counts`),
+    at least one each, so max(total, nodes) in all. Rounding goes to the nodes furthest from
+    their exact share."""
+    whole = sum(counts)
+    quotas = [total * c / whole if whole else total / len(counts) for c in counts]
+    shares = [max(1, math.floor(q)) for q in quotas]
+    wanted = max(total, len(counts))
+    while sum(shares) < wanted:  # short of its share: the node furthest below it gains one
+        shares[max(range(len(shares)), key=lambda i: quotas[i] - shares[i])] += 1
+    while sum(shares) > wanted:  # raised to one: the node furthest above its share gives one
+        over = [i for i in range(len(shares)) if shares[i] > 1]
+        shares[max(over, key=lambda i: shares[i] - quotas[i])] -= 1
+    return shares
+
+
+def index_keys_everywhere(
+    targets: Sequence[Target], index: str, timeout: float = DEFAULT_TIMEOUT_S
+) -> list[str]:
+    """The key paths of `index`, which every target must define alike."""
+    found = _results(_on_each(targets, lambda _, t: index_keys(t.url, index, timeout)))
+    for target, keys in zip(targets, found, strict=True):
+        if keys != found[0]:
+            raise IndexerSourceError(
+                f"index {index!r} has keys {found[0]} on node {targets[0].node} but {keys} on "
+                f"node {target.node}: every node must define it alike"
+            )
+    return found[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -662,7 +898,8 @@ def apply_filters(batch: Any, index: int, pushed: Sequence[tuple[str, Any]]) -> 
 
 
 class IndexerPartition(InputPartition):
-    """One key range of the index, read at one snapshot (a pin, or the store as it is)."""
+    """One key range of the index, read at one snapshot (a pin, or the store as it is); with a
+    cluster map, of one node (`url`, `node`), at that node's pin."""
 
     def __init__(
         self,
@@ -672,6 +909,8 @@ class IndexerPartition(InputPartition):
         pin: str | None,
         snapshot_checksum: str | None = None,
         empty: bool = False,
+        url: str | None = None,
+        node: str | None = None,
     ) -> None:
         super().__init__(number)
         self.number = number
@@ -680,11 +919,13 @@ class IndexerPartition(InputPartition):
         self.pin = pin
         self.snapshot_checksum = snapshot_checksum
         self.empty = empty
+        self.url = url  # the daemon to read (None: the url option's)
+        self.node = node  # its name in the cluster map
 
 
 class IndexerDataSource(DataSource):
-    """`spark.read.format("indexer")`: options url or path, index, partitions, snapshot,
-    at_plus, pin, lease_s, timeout (docs/spark.md)."""
+    """`spark.read.format("indexer")`: options url, path or cluster_map, index, partitions,
+    snapshot, at_plus, pin, lease_s, timeout, pushdown (docs/spark.md)."""
 
     default_partitions: int | None = None  # set by `register` to spark's default parallelism
     default_pushdown: bool = False  # set by `register`: on when the Spark keeps plans per scan
@@ -705,6 +946,8 @@ class IndexerDataSource(DataSource):
 
 
 def _keys(options: SourceOptions) -> list[str]:
+    if options.cluster_map is not None:
+        return index_keys_everywhere(_targets(options), options.index, options.timeout)
     if options.url is not None:
         return index_keys(options.url, options.index, options.timeout)
     assert options.path is not None
@@ -751,43 +994,87 @@ class IndexerReader(DataSourceReader):
         return intersect(bounds, KeyRange())
 
     def partitions(self) -> list[InputPartition]:
-        """Pin the snapshot, split the index into ranges of about equal size, cut by filters."""
+        """Pin the snapshot (on every node of a cluster map), split the index into ranges of
+        about equal size, cut by filters."""
         wanted = self.key_range()
-        checksum = None
-        if self.options.url is not None:
-            pin_id, ranges = self._online_ranges(wanted is not None)
-        else:
-            pin_id = None
-            found = offline_snapshot(str(self.options.path))
-            checksum = found.checksum if found else None
-            ranges = self._offline_ranges() if wanted is not None else []
-        out: list[InputPartition] = []
+        if self.options.path is None:
+            out = self._online_partitions(wanted)
+            return out or [IndexerPartition(0, None, None, None, empty=True)]
+        found = offline_snapshot(self.options.path)
+        checksum = found.checksum if found else None
+        ranges = self._offline_ranges() if wanted is not None else []
+        out = []
         for r in ranges:
             cut = intersect(r, wanted or KeyRange())
             if cut is not None:
-                out.append(IndexerPartition(len(out), cut.start, cut.stop, pin_id, checksum))
-        return out or [IndexerPartition(0, None, None, pin_id, checksum, empty=True)]
+                out.append(IndexerPartition(len(out), cut.start, cut.stop, None, checksum))
+        return out or [IndexerPartition(0, None, None, None, checksum, empty=True)]
 
-    def _online_ranges(self, needed: bool) -> tuple[str | None, list[KeyRange]]:
-        """The pin to read (made here unless given) and the daemon's splits under it."""
+    def _online_partitions(self, wanted: KeyRange | None) -> list[InputPartition]:
+        """Pin (unless given) on each daemon, get its splits, cut them to `wanted`.
+
+        One daemon gets `partitions` splits; the nodes of a cluster map share them out in
+        proportion to their entries at their pins, at least one each. A pin the partitions do
+        not use (the filters cut all of its node's ranges away) is released at once, and so is
+        every pin made if planning fails; the others live out their lease (docs/spark.md).
+        """
         options = self.options
-        assert options.url is not None
-        if not needed:  # the filters leave nothing: no pin, no partition to read
-            return options.pin, []
-        pin_id, own = (options.pin, False) if options.pin else (self._pin().id, True)
-        try:
-            answer = _json_call(
-                "GET",
-                options.url,
-                f"/indexes/{options.index}/splits",
-                params={"parts": self.parts, "pin": pin_id},
-                timeout=options.timeout,
+        if wanted is None:  # the filters leave nothing: no pin, no partition to read
+            return []
+        targets = _targets(options)
+        if options.pin is not None:
+            pin_ids, made = _given_pins(options.pin, targets), []
+        else:
+            made = _pin_each(
+                targets, options.snapshot, options.at_plus, options.lease_s, options.timeout
             )
-        except IndexerSourceError:
-            if own:
-                release(options.url, pin_id)
+            pin_ids = [pin.id for pin in made]
+        try:
+            if len(targets) == 1:
+                shares = [self.parts]
+            else:
+                counts = _results(_on_each(targets, lambda i, t: self._count(t, pin_ids[i])))
+                shares = share_partitions(counts, self.parts)
+            ranges = _results(
+                _on_each(targets, lambda i, t: self._splits(t, pin_ids[i], shares[i]))
+            )
+        except BaseException:
+            _release_each(made)
             raise
-        return pin_id, [
+        out: list[InputPartition] = []
+        unused = []
+        for i, target in enumerate(targets):
+            before = len(out)
+            for r in ranges[i]:
+                cut = intersect(r, wanted)
+                if cut is not None:
+                    part = IndexerPartition(
+                        len(out), cut.start, cut.stop, pin_ids[i], url=target.url, node=target.node
+                    )
+                    out.append(part)
+            if len(out) == before and made:
+                unused.append(made[i])
+        _release_each(unused)
+        return out
+
+    def _count(self, target: Target, pin_id: str) -> int:
+        """The index's entries on `target` at its pin."""
+        path = f"/indexes/{self.options.index}/count"
+        answer = _json_call(
+            "GET", target.url, path, params={"pin": pin_id}, timeout=self.options.timeout
+        )
+        return int(answer["count"])
+
+    def _splits(self, target: Target, pin_id: str, parts: int) -> list[KeyRange]:
+        """`parts` key ranges of about equal entry counts on `target` at its pin."""
+        answer = _json_call(
+            "GET",
+            target.url,
+            f"/indexes/{self.options.index}/splits",
+            params={"parts": parts, "pin": pin_id},
+            timeout=self.options.timeout,
+        )
+        return [
             KeyRange(
                 bytes.fromhex(s["start"]) if s["start"] else None,
                 bytes.fromhex(s["stop"]) if s["stop"] else None,
@@ -804,22 +1091,11 @@ class IndexerReader(DataSourceReader):
         finally:
             store.close()
 
-    def _pin(self) -> Pin:
-        options = self.options
-        assert options.url is not None
-        return pin_snapshot(
-            options.url,
-            options.snapshot,
-            at_plus=options.at_plus,
-            lease_s=options.lease_s,
-            timeout=options.timeout,
-        )
-
     def read(self, partition: InputPartition) -> Iterator[Any]:
         """Arrow record batches of one partition, in index order."""
         if not isinstance(partition, IndexerPartition) or partition.empty:
             return
-        if self.options.url is not None:
+        if self.options.path is None:
             batches = self._read_online(partition)
         else:
             batches = self._read_offline(partition)
@@ -833,7 +1109,9 @@ class IndexerReader(DataSourceReader):
 
     def _read_online(self, part: IndexerPartition) -> Iterator[Any]:
         options = self.options
-        assert options.url is not None
+        url = part.url or options.url
+        assert url is not None
+        target = Target(url, part.node)
         params: dict[str, Any] = {"pin": part.pin}
         if part.start is not None:
             params["start"] = part.start.hex()
@@ -842,20 +1120,17 @@ class IndexerReader(DataSourceReader):
         path = f"/indexes/{options.index}/scan"
         try:
             response = _http(
-                "GET",
-                options.url,
-                path,
-                params=params,
-                accept=ARROW_STREAM,
-                timeout=options.timeout,
+                "GET", url, path, params=params, accept=ARROW_STREAM, timeout=options.timeout
             )
         except IndexerSourceError as exc:
             if "no pin" in str(exc) and options.pin is None:
                 raise IndexerSourceError(
-                    f"{exc}: a DataFrame reads the snapshot pinned when Spark planned it, for "
-                    f"lease_s={options.lease_s:g} s: load it again, or raise lease_s"
+                    target.say(
+                        f"{exc}: a DataFrame reads the snapshot pinned when Spark planned it, "
+                        f"for lease_s={options.lease_s:g} s: load it again, or raise lease_s"
+                    )
                 ) from None
-            raise
+            raise IndexerSourceError(target.say(str(exc))) from None
         with response:
             try:
                 stream = pa.ipc.open_stream(response)
@@ -863,7 +1138,7 @@ class IndexerReader(DataSourceReader):
                     yield self._from_server(batch)
             except (pa.ArrowInvalid, OSError, http.client.HTTPException) as exc:
                 raise IndexerSourceError(
-                    f"indexer at {options.url}: the scan stream broke off: {exc}"
+                    target.say(f"indexer at {url}: the scan stream broke off: {exc}")
                 ) from None
 
     def _from_server(self, batch: Any) -> Any:

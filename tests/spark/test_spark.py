@@ -2,7 +2,8 @@
 
 One SparkSession and one daemon serve the whole module (a cold session takes 8-12 s). The tests
 run in file order: the offline test, after the online ones, stops the daemon to read its data
-directory. The last tests need neither Spark nor the daemon.
+directory. The cluster tests then start two daemons sharing the vbuckets through a cluster map,
+fed by one router. The last tests need neither Spark nor a daemon.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from pyspark.sql.datasource import (
     LessThanOrEqual,
 )
 
+from indexer.cluster import row_order
 from indexer.keys import encode_key
 from indexer.router import Workload, generate
-from indexer.router.documents import Document
+from indexer.router.documents import Document, vbucket_of
 from indexer.spark import (
+    ClusterPin,
     Column,
     IndexerDataSource,
     IndexerPartition,
@@ -49,18 +52,22 @@ from indexer.spark import (
     offline_snapshot,
     pin_snapshot,
     pinned,
+    pinned_cluster,
     pushdown_default,
     read_plan_per_scan,
     register,
     release,
     session,
+    share_partitions,
 )
 from tests.e2e.conftest import (
     INDEXES,
     Daemon,
+    Router,
     free_port,
     model,
     run_feed,
+    wait_equal,
     write_config,
     write_jsonl,
 )
@@ -402,6 +409,158 @@ def test_offline_read_of_a_stopped_node_equals_the_online_read(
     assert persisted is not None and persisted.seqno_sum == pin.seqno_sum == len(node.documents)
 
 
+# ---------------------------------------------------------------------------------------------
+# Several nodes: two daemons sharing the vbuckets through a cluster map
+
+
+@dataclass
+class Cluster:
+    """Two daemons, each owning half the vbuckets of the map, fed by one router."""
+
+    map: Path
+    nodes: dict[str, Daemon]
+    documents: list[Document]
+
+
+SLICES = {"a": (0, 511), "b": (512, 1023)}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("cluster")
+    nodes: dict[str, Daemon] = {}
+    lines = ["num_vbuckets = 1024"]
+    for name, (first, last) in SLICES.items():
+        port = free_port()
+        config = write_config(tmp / f"{name}.toml", tmp / f"data-{name}", port)
+        nodes[name] = Daemon(config, tmp / f"{name}.log", port)
+        lines += [
+            f"[nodes.{name}]",
+            f'feed = "{nodes[name].address}"',
+            f'http = "127.0.0.1:{nodes[name].http_port}"',
+            f'vbuckets = ["{first}-{last}"]',
+        ]
+    cluster_map = tmp / "cluster.toml"
+    cluster_map.write_text("\n".join(lines) + "\n")
+    documents = list(generate(Workload(12_000, 3_000, 0.1, 23)))
+    jsonl = write_jsonl(tmp / "in.jsonl", documents)
+    router = None
+    try:
+        for name, daemon in nodes.items():
+            daemon.args = ["--cluster-map", str(cluster_map), "--node", name]
+            daemon.start()
+        router = Router(
+            tmp / "router.log", "--state", str(tmp / "state"), "--jsonl", str(jsonl), "--follow",
+            "--cluster-map", str(cluster_map),
+        )  # fmt: skip
+        for name, (first, last) in SLICES.items():
+            owned = [d for d in documents if first <= vbucket_of(d.docid.encode(), 1024) <= last]
+            wait_equal(nodes[name], owned)
+        yield Cluster(cluster_map, nodes, documents)
+    finally:
+        if router is not None and router.proc.poll() is None:
+            router.proc.kill()
+            router.proc.wait()
+        for daemon in nodes.values():
+            if daemon.running:
+                daemon.kill()
+
+
+def node_count(daemon: Daemon, index: str, pin: str) -> int:
+    answer = httpx.get(f"{daemon.url}/indexes/{index}/count", params={"pin": pin}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    count: int = answer.json()["count"]
+    return count
+
+
+def pin_ids(daemon: Daemon) -> set[str]:
+    return {p["id"] for p in httpx.get(f"{daemon.url}/snapshots", timeout=30).json()["pinned"]}
+
+
+def test_a_cluster_map_reads_every_node_with_partitions_shared_out_among_them(
+    spark: SparkSession, cluster: Cluster
+) -> None:
+    """The DataFrame holds the rows of both nodes: the model of every document, as many rows as
+    the nodes count at their pins, in `partitions` partitions (at least one per node)."""
+    where = str(cluster.map)
+    with pinned_cluster(where, "stable") as pins:
+        assert isinstance(pins, ClusterPin) and list(pins.pins) == ["a", "b"]
+        assert pins.seqno_sum == len(cluster.documents)
+        for name, paths in INDEXES.items():
+            df = read(spark, cluster_map=where, index=name, pin=pins.id, partitions=4)
+            assert df.rdd.getNumPartitions() == 4
+            counts = [node_count(d, name, pins.pins[n].id) for n, d in cluster.nodes.items()]
+            got = as_entries(df, paths)
+            want = model(cluster.documents, paths)
+            assert df.count() == len(got) == sum(counts) == len(want) > 1000, name
+            assert min(counts) > len(want) // 3  # each node holds about half of the rows
+            # Rows come partition by partition, node by node: in index order within a node.
+            assert sorted(got, key=row_order) == want, name
+        # Each node's entries are split in two: half the 4 partitions read node a, half node b.
+        schema = read(spark, cluster_map=where, index="by_age", pin=pins.id).schema
+        options = {"cluster_map": where, "index": "by_age", "pin": pins.id, "partitions": "4"}
+        parts = IndexerDataSource(options).reader(schema).partitions()
+        assert [(p.node, p.url, p.pin) for p in parts if isinstance(p, IndexerPartition)] == [
+            (n, cluster.nodes[n].url, pins.pins[n].id) for n in ("a", "a", "b", "b")
+        ]
+        with pytest.raises(Exception) as raised:
+            read(spark, cluster_map=where, index="by_age", pin=pins.pins["a"].id).collect()
+        assert error_message(raised.value).startswith("pin: with cluster_map, a JSON object")
+    assert not pin_ids(cluster.nodes["a"]) & {p.id for p in pins.pins.values()}  # released
+    # Pins made by the source: the session's parallelism (2), one partition per node at least.
+    ages = model(cluster.documents, INDEXES["by_age"])
+    for partitions, want_parts in ((None, 2), (1, 2), (5, 5)):
+        extra = {} if partitions is None else {"partitions": partitions}
+        df = read(spark, cluster_map=where, index="by_age", snapshot="stable", **extra)
+        assert df.rdd.getNumPartitions() == want_parts
+        assert sorted(as_entries(df, INDEXES["by_age"]), key=row_order) == ages
+    # at_plus over the whole cluster: each node waits only for the seqnos of its own vbuckets.
+    vector: dict[str, int] = {}
+    for name, daemon in cluster.nodes.items():
+        seqnos = httpx.get(f"{daemon.url}/snapshots", timeout=30).json()["stable"]["seqnos"]
+        first, last = SLICES[name]
+        vector.update({str(vb): seqnos[vb] for vb in range(first, last + 1) if seqnos[vb]})
+    assert sum(vector.values()) == len(cluster.documents)
+    df = read(spark, cluster_map=where, index="by_age", at_plus=json.dumps(vector), timeout=30)
+    assert sorted(as_entries(df, INDEXES["by_age"]), key=row_order) == ages
+    # Pushdown: the range on the leading key cuts every node's partitions alike.
+    typed = "age DOUBLE, id STRING"
+    ranged = read(
+        spark, typed, cluster_map=where, index="by_age", snapshot="stable", pushdown="true"
+    ).filter("age >= 30 AND age < 40.5")
+    assert not filtered_by_spark(ranged)
+    in_range = [
+        (as_double(e["key"][0]), e["id"])
+        for e in ages
+        if as_double(e["key"][0]) is not None and 30 <= e["key"][0] < 40.5
+    ]
+    assert sorted(tuple(r) for r in ranged.collect()) == sorted(in_range) and in_range
+
+
+def test_a_cluster_node_that_does_not_answer_fails_the_read_with_its_name(
+    spark: SparkSession, cluster: Cluster
+) -> None:
+    """Planning releases the pins it made on the other nodes; the error is one line."""
+    where, a, b = str(cluster.map), cluster.nodes["a"], cluster.nodes["b"]
+    schema = read(spark, cluster_map=where, index="by_age").schema
+    options = {"cluster_map": where, "index": "by_age", "snapshot": "stable"}
+    reader = IndexerDataSource(options).reader(schema)
+    before = pin_ids(a)
+    assert b.stop() == 0
+    with pytest.raises(IndexerSourceError) as planning:
+        reader.partitions()
+    assert str(planning.value).startswith(f"node b: cannot reach the indexer at {b.url}")
+    assert pin_ids(a) == before  # the pin made on node a was released
+    with pytest.raises(Exception) as raised:
+        read(spark, cluster_map=where, index="by_age").collect()
+    message = error_message(raised.value)
+    assert message.startswith(f"node b: cannot reach the indexer at {b.url}"), message
+    assert "\n" not in message
+    with pytest.raises(Exception) as both:
+        read(spark, url=a.url, cluster_map=where, index="by_age").collect()
+    assert "give exactly one of" in error_message(both.value)
+
+
 COMPARE = {
     EqualTo: operator.eq,
     GreaterThan: operator.gt,
@@ -460,6 +619,24 @@ def test_filter_ranges_hold_every_value_that_passes() -> None:
                 if passes:
                     expected.append(spark_value)
             assert kept == expected, (kind, filters)
+
+
+def test_partitions_are_shared_out_among_nodes_by_entry_count() -> None:
+    """Without Spark: in proportion to the entries, at least one per node, max(total, nodes)."""
+    assert share_partitions([500], 4) == [4]
+    assert share_partitions([5100, 4900], 4) == [2, 2]
+    assert share_partitions([900, 100], 4) == [3, 1]
+    assert share_partitions([900, 100], 10) == [9, 1]
+    assert share_partitions([1000, 0, 10], 4) == [2, 1, 1]
+    assert share_partitions([5, 5, 5], 2) == [1, 1, 1]
+    assert share_partitions([0, 0], 3) == [2, 1]
+    assert share_partitions([1, 2, 3], 100) == [17, 33, 50]
+    rng = random.Random(7)
+    for _ in range(500):
+        counts = [rng.choice([0, 1, rng.randrange(10**6)]) for _ in range(rng.randrange(1, 9))]
+        total = rng.randrange(1, 200)
+        shares = share_partitions(counts, total)
+        assert sum(shares) == max(total, len(counts)) and min(shares) >= 1, (counts, total)
 
 
 def test_the_pushdown_default_is_on_only_when_the_check_finds_plans_per_scan() -> None:
