@@ -247,15 +247,29 @@ class IndexCatalog:
             await trio.to_thread.run_sync(self.store.delete_entries, build.index)
             self.add_build(build.index)
 
+    async def change_pipeline(
+        self,
+        apply: Callable[[], None],
+        before: Callable[[], Awaitable[None]] | None,
+        code: ErrorCode,
+        message: str,
+    ) -> None:
+        """A change between two epochs of the stream (index set, slice): routers are closed
+        with `code`, `before` runs once everything received is queued, `apply` once it is
+        written; then routers may connect again."""
+        await self._change(apply, before, code, message)
+
     async def _change(
-        self, apply: Callable[[], None], before: Callable[[], Awaitable[None]] | None = None
+        self,
+        apply: Callable[[], None],
+        before: Callable[[], Awaitable[None]] | None = None,
+        code: ErrorCode = ErrorCode.INDEXES_CHANGED,
+        message: str = "index definitions changed: handshake again",
     ) -> None:
         """Switch the index set between two epochs of the stream (see module doc); `before`
         runs once everything received is written, while maintenance is stopped."""
         async with self._lock:
-            self.reader.close_connections(
-                ErrorCode.INDEXES_CHANGED, "index definitions changed: handshake again"
-            )
+            self.reader.close_connections(code, message)
             try:
                 while self.reader.connected:
                     await trio.sleep(0.01)

@@ -81,6 +81,8 @@ def serve(
             "http_port": entry.http[1] if http_port is None else http_port,
             "owned_vbuckets": entry.vbuckets,
             "num_vbuckets": num,
+            "cluster_map": cluster_map,
+            "cluster_node": node,
         }
     config = _config(config_file, data_dir=data_dir, feed_port=feed_port, http_port=http_port)
     if slice_of:

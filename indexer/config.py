@@ -41,6 +41,9 @@ class ServerConfig:
     owned_vbuckets: tuple[int, ...]
     log_level: str
     flow_control_bytes: int = 4 << 20
+    # Set by `indexer serve --cluster-map F --node N`: the node follows the map's changes.
+    cluster_map: Path | None = None
+    cluster_node: str | None = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from indexer.http import DaemonView, HttpApi
 from indexer.reader import Reader, StreamRegistry
 from indexer.recovery import RecoveryPoints
 from indexer.rollback import Rollback, recover_store
+from indexer.slices import SliceWatch
 from indexer.snapshots import (
     PersistedState,
     SnapshotFileError,
@@ -220,6 +221,9 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
                 services.start_soon(view.compactor.run)
                 http_port = await services.start(_serve_http, config, HttpApi(view))
                 services.start_soon(catalog.run)
+                if server.cluster_map is not None and server.cluster_node is not None:
+                    watch = SliceWatch(server.cluster_map, server.cluster_node, catalog, cache)
+                    services.start_soon(watch.run)
                 async with trio.open_nursery() as keeping:
                     keeping.start_soon(timekeeper.run)
                     async with trio.open_nursery() as pipeline:

@@ -82,6 +82,7 @@ class ErrorCode(IntEnum):
     INDEXES_CHANGED = 12  # an index was created or dropped: handshake again for the new keys
     ROLLBACK = 13  # the index rolled back (another router's failover): handshake again
     BUILD_DONE = 14  # a build stream is no longer wanted (built, dropped): do not reconnect
+    SLICE_CHANGED = 15  # this node's vbuckets changed (cluster map): handshake again
 
 
 class ProtocolError(Exception):

@@ -59,6 +59,12 @@ class HighWaterTimestamp:
         self.snapshot_end[:] = start.seqnos
         self.stable[:] = start.seqnos
 
+    def reset_vbuckets(self, vbuckets: set[int]) -> None:
+        """Vbuckets handed to another node: they start from seqno 0 if they come back."""
+        for vb in vbuckets:
+            self.seqnos[vb] = self.snapshot_start[vb] = self.snapshot_end[vb] = 0
+            self.stable[vb] = 0
+
     def record_begin(self, vbucket: int, vbuuid: int) -> None:
         self.vbuuids[vbucket] = vbuuid
 
@@ -192,15 +198,31 @@ class Timekeeper:
             self._memory_flushes += 1
         return False
 
-    async def republish(self) -> bool:
+    async def republish(self, force: bool = False) -> bool:
         """Publish the stable timestamp again with a fresh store snapshot (after entries were
-        written outside the stream, as by an index build), if the store holds exactly it."""
+        written or deleted outside the stream, as by an index build), if the store holds
+        exactly it, or anyway with `force` (a slice change: the old timestamp must go)."""
         async with self._flush_lock:
             ts = self._stable
-            if any(h > s for h, s in zip(self._store_high, ts.seqnos, strict=True)):
+            ahead = any(h > s for h, s in zip(self._store_high, ts.seqnos, strict=True))
+            if ahead and not force:
                 return False  # the next cut publishes: the store is ahead of the stable point
             self.snapshots.publish(ts, self.store.snapshot(), self.counts())
             return True
+
+    def reset_vbuckets(self, vbuckets: set[int], entry_counts: Sequence[int]) -> None:
+        """Vbuckets this node no longer holds (their entries were deleted): back to seqno 0.
+
+        Recovery points made so far still count them, so none is rolled back to any more.
+        """
+        self.hwt.reset_vbuckets(vbuckets)
+        seqnos = list(self._stable.seqnos)
+        for vb in vbuckets:
+            seqnos[vb] = 0
+            self._store_high[vb] = 0
+        self._stable = StabilityTimestamp(tuple(seqnos), self._stable.vbuuids)
+        self.entry_counts[:] = entry_counts
+        self.forget_recovery_points()
 
     def forget_recovery_points(self) -> None:
         """Entries were written without undo records (an index build merged): no recovery point

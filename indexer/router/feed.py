@@ -405,7 +405,9 @@ class _Peer:
 
 
 # Errors after which the feed handshakes again and resumes from the new restart positions.
-RECONNECT_CODES = frozenset({p.ErrorCode.INDEXES_CHANGED, p.ErrorCode.ROLLBACK})
+RECONNECT_CODES = frozenset(
+    {p.ErrorCode.INDEXES_CHANGED, p.ErrorCode.ROLLBACK, p.ErrorCode.SLICE_CHANGED}
+)
 
 
 class _Encoder(Protocol):

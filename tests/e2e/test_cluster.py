@@ -106,3 +106,42 @@ def test_bad_cluster_map_commands_fail_with_one_line(tmp_path: Path) -> None:
         result = subprocess.run(indexer_command(*args), capture_output=True, text=True, timeout=30)
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_moving_vbuckets_between_nodes_loses_nothing(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    a, b = daemon_factory(), daemon_factory()
+    cluster_map = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
+    for daemon, name in ((a, "a"), (b, "b")):
+        daemon.args = ["--cluster-map", str(cluster_map), "--node", name]
+        daemon.start()
+    documents = list(generate(Workload(8_000, 3_000, 0.1, 411)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
+        "--cluster-map", str(cluster_map),
+    )  # fmt: skip
+    wait_equal(a, owned_by(documents, 0, 511))
+    wait_equal(b, owned_by(documents, 512, 1023))
+    # Rebalance: vbuckets 256-511 move from a to b while documents keep coming.
+    write_map(tmp_path / "cluster.toml", {"a": (a, "0-255"), "b": (b, "256-1023")})
+    more = list(generate(Workload(4_000, 3_000, 0.1, 412)))
+    write_jsonl(jsonl, more, append=True)
+    documents += more
+    wait_equal(a, owned_by(documents, 0, 255))
+    wait_equal(b, owned_by(documents, 256, 1023))
+    assert httpx.get(f"{a.url}/stats").json()["vbuckets"]["owned"] == 256
+    assert httpx.get(f"{b.url}/stats").json()["vbuckets"]["owned"] == 768
+    for name, paths in INDEXES.items():
+        assert cluster_scan(cluster_map, name, "--consistency", "request_plus") == model(
+            documents, paths
+        )
+    assert "cluster map: now 256 vbuckets here (+0, -256" in a.log()
+    assert "cluster map: now 768 vbuckets here (+256, -0" in b.log()
+    # After a restart, a keeps only its new slice (what it deleted stays deleted).
+    assert a.stop() == 0
+    a.start()
+    wait_equal(a, owned_by(documents, 0, 255))
+    assert router.stop() == 0
+    assert a.stop() == 0 and b.stop() == 0

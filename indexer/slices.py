@@ -1,0 +1,161 @@
+"""Slice changes: a node started from a cluster map follows the map as it changes (rebalance).
+
+When the map gives this node vbuckets it did not own, it accepts them from then on: routers are
+asked to handshake again, learn the new slice, and stream those vbuckets from seqno 0 (the
+router reads its source log), so nothing of them is lost. When the map takes vbuckets away, the
+node writes what it had received, deletes the documents of those vbuckets from every index,
+forgets their seqnos (a later return starts from 0 again), persists, and refuses them from then
+on (NOT_MY_SLICE). During a move both nodes may briefly hold a vbucket, or neither; a merged scan
+is complete again once the new owner has caught up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from indexer.catalog import IndexCatalog
+from indexer.cluster import ClusterMapError, load_cluster_map
+from indexer.keys import entry_tail
+from indexer.protocol import ErrorCode
+from indexer.storage import IndexStore, StoredIndex
+from workers.flush import BackIndexCache, entry_counts
+
+log = logging.getLogger("indexer.slices")
+
+MAP_POLL_S = 2.0
+
+
+def delete_vbuckets(
+    store: IndexStore,
+    indexes: Sequence[StoredIndex],
+    cache: BackIndexCache,
+    vbuckets: set[int],
+    num_vbuckets: int,
+    batch_size: int = 10_000,
+) -> int:
+    """Delete every entry of the documents in `vbuckets` from every index (blocking); how many
+    documents."""
+    gone: set[bytes] = set()
+    for index in indexes:
+        prefix_main = index.main_prefix
+        puts: list[tuple[bytes, bytes]] = []
+        deletes: list[bytes] = []
+        for docid, key in store.back_entries(index):
+            if zlib.crc32(docid) % num_vbuckets in vbuckets:
+                gone.add(docid)
+                deletes.append(index.back_prefix + docid)
+                deletes.append(prefix_main + key + entry_tail(docid))
+                if len(deletes) >= batch_size:
+                    store.write(puts, deletes)
+                    deletes = []
+        store.write(puts, deletes)
+    for docid in gone:
+        cache.entries.pop(docid, None)
+    return len(gone)
+
+
+class SliceWatch:
+    """Re-reads the cluster map and applies changes of this node's slice (see module doc)."""
+
+    def __init__(
+        self,
+        path: Path,
+        node: str,
+        catalog: IndexCatalog,
+        cache: BackIndexCache,
+    ) -> None:
+        self.path = path
+        self.node = node
+        self.catalog = catalog
+        self.cache = cache
+        self._stamp: tuple[int, int] | None = None
+        self.changes = 0
+
+    def _owned(self) -> set[int]:
+        registry = self.catalog.reader.registry
+        return {vb for vb, flag in enumerate(registry.owned) if flag}
+
+    def _read(self) -> set[int] | None:
+        try:
+            stat = self.path.stat()
+        except OSError as exc:
+            log.error("cluster map %s: %s; keeping this node's vbuckets", self.path, exc)
+            return None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        try:
+            cluster = load_cluster_map(self.path)
+            if cluster.num_vbuckets != len(self.catalog.reader.registry.owned):
+                raise ClusterMapError(f"{self.path}: num_vbuckets changed")
+            return set(cluster.node(self.node).vbuckets)
+        except ClusterMapError as exc:
+            log.error("%s; keeping this node's vbuckets", exc)
+            return None
+
+    async def run(self) -> None:
+        self._read()  # the map as the node started with it
+        while True:
+            await trio.sleep(MAP_POLL_S)
+            wanted = self._read()
+            if wanted is not None and wanted != self._owned():
+                await self.apply(wanted)
+
+    async def apply(self, wanted: set[int]) -> None:
+        """Own exactly `wanted` from now on."""
+        catalog = self.catalog
+        reader = catalog.reader
+        registry = reader.registry
+        timekeeper = catalog.timekeeper
+        owned = self._owned()
+        added, removed = wanted - owned, owned - wanted
+        started = time.monotonic()
+        deleted = 0
+
+        async def hand_over() -> None:
+            nonlocal deleted
+            await timekeeper.drain_all()  # what was received for them is written first
+            if removed:
+                n = len(registry.owned)
+                deleted = await trio.to_thread.run_sync(
+                    delete_vbuckets, catalog.store, list(catalog.indexes), self.cache, removed, n
+                )
+                counts = await trio.to_thread.run_sync(
+                    entry_counts, catalog.store, list(catalog.indexes), self.cache
+                )
+                timekeeper.reset_vbuckets(removed, counts)
+                for vb in removed:
+                    registry.received[vb] = 0
+                    registry.failover_logs.pop(vb, None)
+                await timekeeper.republish(force=True)
+                await timekeeper.persist()
+
+        def switch() -> None:
+            for vb in added:
+                registry.owned[vb] = 1
+            for vb in removed:
+                registry.owned[vb] = 0
+
+        await catalog.change_pipeline(
+            switch,
+            hand_over,
+            ErrorCode.SLICE_CHANGED,
+            "this node's vbuckets changed: handshake again",
+        )
+        self.changes += 1
+        log.info(
+            "cluster map: now %d vbuckets here (+%d, -%d; %d documents of the removed ones "
+            "deleted) in %.2f s",
+            len(wanted),
+            len(added),
+            len(removed),
+            deleted,
+            time.monotonic() - started,
+        )
