@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/scan.py
 	$(BIN)/python bench/rollback.py
 	$(BIN)/python bench/router.py
+	$(BIN)/python bench/build.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache .hypothesis

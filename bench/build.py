@@ -1,0 +1,952 @@
+"""Index build benchmark: initial builds of a new index, and scans fanned out over two nodes.
+
+    python bench/build.py [--documents N] [--keys K] [--feed-rate R] [--feed-max-s S]
+                          [--seed S] [--timeout S] [--keep]
+
+Everything runs as subprocesses on 127.0.0.1: `indexer serve` (default configuration: the
+indexes `by_city(address.city, age)` and `by_age(age)`) and `indexer router`.
+
+1. Builds. N generated documents (default 300,000 over K = N/3 docids, 10% deletes) are written
+   as a JSONL file; `indexer router --jsonl FILE --follow --to DAEMON --http 127.0.0.1:0` loads
+   them into one daemon. Once everything is readable (the daemon's `stable.seqno_sum` equals the
+   router's `source.high_seqno_sum` = N):
+   (a) quiet: `POST /indexes {"name": "by_zip", "keys": ["address.zip", "name"]}`, then
+       `GET /indexes` every 50 ms until its state is `active`; reported: the build's items/s
+       (the mutations its build stream carried, from the daemon's "index ... built" line), the
+       entries/s, and the time in each state (building, catchup). Then `DELETE /indexes/by_zip`.
+   (b) with a feed: a thread appends more documents of the same docids (another seed) to the
+       followed file at a steady R per second (default 10,000), every 50 ms what is due. After
+       1 s of warm-up and 5 s of baseline, `by_zip2` (same keys) is created and timed the same
+       way, also in seqnos/s (the build stream can carry fewer items than seqnos: the router
+       sends a docid written twice in a snapshot once). The feed goes on 2 s after the index is
+       active, then stops; if the index is not active `--feed-max-s` after its create (default
+       60), the feed stops then and the wait goes on.
+       A second thread samples every 100 ms the maintenance lag: the router's
+       `source.high_seqno_sum` (what it appended) minus the daemon's `stable.seqno_sum` (what is
+       readable), both from `GET /stats`; beside it how far the router is behind the file, and
+       the end-to-end lag (documents written minus readable). Reported: p50/p99/max during the
+       baseline, during the build and after it, in seqnos and in ms at the feed rate. After the
+       feed: request_plus counts of `by_zip2` and `by_city` equal the live documents (latest
+       version per docid, deleted ones excluded) having `address.zip`, resp. `address.city`,
+       computed from the documents written.
+2. Scan fan-out. A cluster map gives vbuckets 0-511 to daemon `a` and 512-1023 to daemon `b`
+   (`indexer serve --cluster-map F --node NAME`); `indexer router --cluster-map F` loads the N
+   documents into both, then `indexer router --to` loads them into a third daemon alone. Timed,
+   best of 3, interleaved: `indexer.cluster.scan_cluster(map, "by_city", {"consistency": "any"})`
+   reading every merged row over the 2 nodes; an NDJSON scan of the single node (httpx stream,
+   newlines counted); and `scan_cluster` over a one-node map of the single node (the same client
+   code: JSON parsing and the merge's key encoding, without a second node); and, for what the
+   two nodes can serve, both nodes' NDJSON scans at once in two threads, newlines counted, no
+   merge. Reported: rows/s and the ratios.
+
+The first line gives the conditions, with the median time of a 4 KiB write + fsync in the
+temp directory: the router appends every read of its input as one synced batch, so a busy disk
+slows it. Prints one line per measurement and ends with one JSON object of every figure.
+Everything lives in a temporary directory, removed at the end unless --keep is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import date
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from common import (  # bench/common.py: run as `python bench/...`
+    FEED_LINE,
+    HOST,
+    HTTP_LINE,
+    Daemon,
+    in_workdir,
+    ratio,
+    say,
+)
+
+from indexer.cluster import load_cluster_map, scan_cluster
+from indexer.keys import MISSING, field_value
+from indexer.router import Document, Workload, generate
+
+DELETE_RATIO = 0.1
+ZIP_KEYS = ["address.zip", "name"]
+SCAN_INDEX = "by_city"
+STATE_POLL_S = 0.05
+SAMPLE_S = 0.1
+WAIT_POLL_S = 0.05
+FEED_TICK_S = 0.05
+WARMUP_S = 1.0
+BASELINE_S = 5.0
+AFTER_S = 2.0
+PHASES = ("baseline", "build", "drain", "after")
+SCAN_REPEATS = 3
+FEED_SEED_OFFSET = 1000
+MIB = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Input and model
+
+
+def jsonl_lines(documents: Iterable[Document]) -> str:
+    """The router's JSONL input: {"id":..,"doc":{..}} or {"id":..,"deleted":true}, one a line."""
+    return "".join(
+        json.dumps(
+            {"id": d.docid, "deleted": True} if d.body is None else {"id": d.docid, "doc": d.body}
+        )
+        + "\n"
+        for d in documents
+    )
+
+
+class Model:
+    """The latest version of each docid: None when deleted, else (has address.zip, has
+    address.city), the leading keys of `by_zip*` and `by_city`."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, tuple[bool, bool] | None] = {}
+
+    def add(self, documents: Iterable[Document]) -> None:
+        for d in documents:
+            self.latest[d.docid] = (
+                None
+                if d.body is None
+                else (
+                    field_value(d.body, "address.zip") is not MISSING,
+                    field_value(d.body, "address.city") is not MISSING,
+                )
+            )
+
+    def with_zip(self) -> int:
+        return sum(1 for v in self.latest.values() if v is not None and v[0])
+
+    def with_city(self) -> int:
+        return sum(1 for v in self.latest.values() if v is not None and v[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """Group 1 of the first match of `pattern` in the file a process writes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text() if path.exists() else ""
+        found = re.search(pattern, text)
+        if found:
+            return found.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"{path}: the process exited ({proc.returncode}):\n{text[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path}: no {pattern!r} within {timeout} s:\n{text[-3000:]}")
+        time.sleep(0.02)
+
+
+class Node(Daemon):
+    """bench/common.py's daemon with more `indexer serve` arguments (a cluster map's node)."""
+
+    def __init__(self, workdir: Path, args: Sequence[str] = ()) -> None:
+        super().__init__(workdir)
+        self.args = list(args)
+
+    def start(self, timeout: float = 60) -> None:
+        seen = self.log().count("listening for router feeds")
+        command = [sys.executable, "-m", "indexer", "serve", "--config", str(self.config_path)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(command + self.args, stderr=log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while self.log().count("listening for router feeds") <= seen:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited at start-up:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not listen within {timeout} s")
+            time.sleep(0.05)
+        text = self.log()
+        self.http_port = int(HTTP_LINE.findall(text)[-1])
+        self.feed_port = int(FEED_LINE.findall(text)[-1])
+
+    def check_alive(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"the daemon exited:\n{self.log()[-3000:]}")
+
+    def stats(self, client: httpx.Client) -> dict[str, Any]:
+        answer = client.get(f"{self.url}/stats")
+        answer.raise_for_status()
+        stats: dict[str, Any] = answer.json()
+        return stats
+
+    def readable(self, client: httpx.Client) -> int:
+        """The seqno sum of its readable snapshot."""
+        value: int = self.stats(client)["stable"]["seqno_sum"]
+        return value
+
+    def count(self, client: httpx.Client, index: str, consistency: str = "request_plus") -> int:
+        answer = client.get(
+            f"{self.url}/indexes/{index}/count", params={"consistency": consistency}
+        )
+        if answer.status_code != 200:
+            raise RuntimeError(f"count of {index}: HTTP {answer.status_code}: {answer.text}")
+        value: int = answer.json()["count"]
+        return value
+
+
+class Router:
+    """`indexer router --http 127.0.0.1:0` in a subprocess, its log in a file."""
+
+    def __init__(self, workdir: Path, args: Sequence[str]) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / "router.log"
+        command = [sys.executable, "-m", "indexer", "router", "--state", str(workdir / "state")]
+        command += ["--http", f"{HOST}:0", *args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(command, stderr=log, stdin=subprocess.DEVNULL)
+        self.process = psutil.Process(self.proc.pid)
+        self.client = httpx.Client(timeout=30)
+        self.url = wait_for_line(self.log_path, r"router API on (http://\S+)", self.proc, 60)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def appended(self) -> int:
+        """Seqnos the router has appended to its source log, summed over the vbuckets."""
+        answer = self.client.get(f"{self.url}/stats")
+        answer.raise_for_status()
+        value: int = answer.json()["source"]["high_seqno_sum"]
+        return value
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the router exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
+
+    def cpu(self) -> float:
+        total = self.process.cpu_times()
+        return float(total.user + total.system)
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        code = self.proc.wait()
+        if code != 0:
+            raise RuntimeError(f"the router exited with {code}:\n{self.log()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_until(
+    what: str, check: Callable[[], bool], alive: Sequence[Node | Router], timeout: float
+) -> float:
+    """Poll `check` until it holds (the processes still running); the monotonic time it did."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        for process in alive:
+            process.check_alive()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout} s")
+        time.sleep(WAIT_POLL_S)
+    return time.monotonic()
+
+
+def load(
+    what: str,
+    router: Router,
+    nodes: Sequence[Node],
+    total: int,
+    started: float,
+    client: httpx.Client,
+    timeout: float,
+) -> tuple[float, float]:
+    """Until the router appended `total` seqnos and the nodes' readable snapshots add up to it;
+    (appended, readable) seconds from `started`."""
+    alive: list[Node | Router] = [router, *nodes]
+    appended = wait_until(f"{what}: appended", lambda: router.appended() >= total, alive, timeout)
+    readable = wait_until(
+        f"{what}: readable",
+        lambda: sum(node.readable(client) for node in nodes) >= total,
+        alive,
+        timeout,
+    )
+    return appended - started, readable - started
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Builds
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return float(ordered[int(rank) - 1])
+
+
+class Feed(threading.Thread):
+    """Appends documents to the followed file at a steady rate, what is due every 50 ms."""
+
+    def __init__(self, path: Path, documents: Iterator[Document], rate: float, model: Model):
+        super().__init__(daemon=True)
+        self.path = path
+        self.documents = documents
+        self.rate = rate
+        self.model = model
+        self.written = 0
+        self.max_behind = 0  # documents due but not written yet, at the start of a tick
+        self.seconds = 0.0
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            with open(self.path, "a") as f:
+                while not self.stopped.is_set():
+                    due = int((time.monotonic() - started) * self.rate) - self.written
+                    self.max_behind = max(self.max_behind, due)
+                    if due > 0:
+                        batch = list(islice(self.documents, min(due, int(self.rate) + 1)))
+                        f.write(jsonl_lines(batch))  # whole lines in one write
+                        f.flush()
+                        self.model.add(batch)
+                        self.written += len(batch)
+                    self.stopped.wait(FEED_TICK_S)
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+        self.seconds = time.monotonic() - started
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+        if self.error is not None:
+            raise RuntimeError(f"the feed failed: {self.error!r}")
+
+
+@dataclass
+class Sample:
+    phase: str
+    lag: int  # seqnos appended by the router, not yet readable on the daemon
+    router_behind: int  # documents written to the file, not yet appended by the router
+    end_to_end: int  # documents written to the file, not yet readable on the daemon
+
+
+class LagSampler(threading.Thread):
+    """Every 100 ms: the daemon's readable seqno sum against what the router appended."""
+
+    def __init__(self, daemon: Node, router: Router, feed: Feed, base: int) -> None:
+        super().__init__(daemon=True)
+        self.daemon_url = daemon.url
+        self.router_url = router.url
+        self.feed = feed
+        self.base = base
+        self.phase = "warmup"
+        self.samples: list[Sample] = []
+        self.failures = 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self.stopped.is_set():
+                written = self.base + self.feed.written
+                phase = self.phase
+                try:
+                    # The daemon first: the lag is over-stated by what the router appends
+                    # between the two requests (a few ms), never under-stated.
+                    stable = client.get(f"{self.daemon_url}/stats").json()["stable"]["seqno_sum"]
+                    appended = client.get(f"{self.router_url}/stats").json()["source"][
+                        "high_seqno_sum"
+                    ]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    self.failures += 1
+                else:
+                    self.samples.append(
+                        Sample(
+                            phase,
+                            max(appended - stable, 0),
+                            max(written - appended, 0),
+                            max(written - stable, 0),
+                        )
+                    )
+                self.stopped.wait(SAMPLE_S)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+
+    def summary(self, phase: str, rate: float) -> dict[str, Any]:
+        samples = [s for s in self.samples if s.phase == phase]
+        out: dict[str, Any] = {"samples": len(samples)}
+        if not samples:
+            return out
+        for what in ("lag", "end_to_end", "router_behind"):
+            values = [getattr(s, what) for s in samples]
+            for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
+                value = percentile(values, q)
+                out[f"{what}_{name}"] = int(value)
+                if what != "router_behind":
+                    out[f"{what}_{name}_ms"] = round(value / rate * 1000, 1)
+        return out
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process (the feed's generation and the sampling)."""
+    times = psutil.Process().cpu_times()
+    return float(times.user + times.system)
+
+
+def fsync_ms(directory: Path, count: int = 20) -> float:
+    """Median time of a 4 KiB write + fsync in `directory`: how busy the disk is."""
+    seconds = []
+    with open(directory / "fsync-probe", "wb") as f:
+        for _ in range(count):
+            f.write(b"\0" * 4096)
+            t0 = time.perf_counter()
+            f.flush()
+            os.fsync(f.fileno())
+            seconds.append(time.perf_counter() - t0)
+    (directory / "fsync-probe").unlink()
+    return round(percentile(seconds, 50) * 1000, 2)
+
+
+def index_entry(client: httpx.Client, daemon: Node, name: str) -> dict[str, Any]:
+    answer = client.get(f"{daemon.url}/indexes")
+    answer.raise_for_status()
+    for entry in answer.json()["indexes"]:
+        if entry["name"] == name:
+            found: dict[str, Any] = entry
+            return found
+    raise RuntimeError(f"index {name} is not in GET /indexes")
+
+
+def time_build(
+    client: httpx.Client,
+    daemon: Node,
+    router: Router,
+    name: str,
+    timeout: float,
+    feed: Feed | None = None,
+    sampler: LagSampler | None = None,
+    feed_max_s: float = 0.0,
+) -> dict[str, Any]:
+    """Create the index, poll its state every 50 ms until active; the figures of the build.
+
+    With a feed: if the index is not active `feed_max_s` after the create, the feed stops (the
+    build did not catch up under it) and the wait goes on."""
+    cpu_before = daemon.cpu()
+    router_cpu_before = router.cpu()
+    bench_cpu_before = own_cpu()
+    started = time.monotonic()
+    feed_stopped: float | None = None
+    at_feed_stop: dict[str, Any] = {}
+    created = client.post(f"{daemon.url}/indexes", json={"name": name, "keys": ZIP_KEYS})
+    if created.status_code != 201:
+        raise RuntimeError(f"create {name}: HTTP {created.status_code}: {created.text}")
+    posted = time.monotonic()
+    first_seen: dict[str, float] = {created.json()["state"]: posted}
+    states = [created.json()["state"]]
+    last_build: dict[str, Any] = created.json().get("build") or {}
+    deadline = started + timeout
+    while True:
+        entry = index_entry(client, daemon, name)
+        now = time.monotonic()
+        state = entry["state"]
+        if state not in first_seen:
+            first_seen[state] = now
+            states.append(state)
+        if "build" in entry:
+            last_build = entry["build"]
+        if state == "active":
+            break
+        daemon.check_alive()
+        router.check_alive()
+        if feed is not None and feed_stopped is None and now - started > feed_max_s:
+            feed.stopped.set()
+            feed_stopped = now - started
+            at_feed_stop = dict(last_build)
+            if sampler is not None:
+                sampler.phase = "drain"
+        if now > deadline:
+            raise RuntimeError(f"{name}: not active within {timeout} s (states {states})")
+        time.sleep(STATE_POLL_S)
+    active = first_seen["active"]
+    main_cpu, other_cpu = daemon.cpu()
+    router_cpu = router.cpu() - router_cpu_before
+    bench_cpu = own_cpu() - bench_cpu_before
+    built = re.compile(
+        rf"index {name} built: (\d+) mutations from its build stream; active from seqno sum (\d+)"
+    )
+    found = None
+    log_deadline = time.monotonic() + 10
+    while found is None and time.monotonic() < log_deadline:
+        found = built.search(daemon.log())
+        if found is None:
+            time.sleep(0.05)
+    items = int(found.group(1)) if found else int(last_build.get("items", 0))
+    active_from = int(found.group(2)) if found else None
+    seconds = active - started
+    catchup = first_seen.get("catchup")
+    return {
+        "index": name,
+        "seconds": round(seconds, 3),
+        "create_request_s": round(posted - started, 3),
+        "states_seen": states,
+        "building_s": round((catchup or active) - started, 3),
+        "catchup_s": None if catchup is None else round(active - catchup, 3),
+        "items": items,
+        "items_from_log_line": found is not None,
+        "items_per_s": round(items / seconds),
+        "active_from_seqno_sum": active_from,
+        "seqnos_per_s": None if active_from is None else round(active_from / seconds),
+        "last_seen_build": last_build,
+        "entries": int(entry["entries"]),
+        "entries_per_s": round(int(entry["entries"]) / seconds),
+        "daemon_main_cpu_s": round(main_cpu - cpu_before[0], 2),
+        "daemon_thread_cpu_s": round(other_cpu - cpu_before[1], 2),
+        "router_cpu_s": round(router_cpu, 2),
+        "bench_cpu_s": round(bench_cpu, 2),
+        "feed_stopped_after_s": None if feed_stopped is None else round(feed_stopped, 3),
+        "build_at_feed_stop": at_feed_stop or None,
+        "seqnos_per_s_under_feed": (
+            round(at_feed_stop.get("received_seqno_sum", 0) / feed_stopped)
+            if feed_stopped
+            else None
+        ),
+    }
+
+
+def report_build(label: str, b: dict[str, Any]) -> None:
+    catchup = "not seen" if b["catchup_s"] is None else f"{b['catchup_s']:.2f} s"
+    seqnos = "" if b["seqnos_per_s"] is None else f", {b['seqnos_per_s']:,} seqnos/s"
+    say(
+        f"build {label} ({b['index']}): active after {b['seconds']:.2f} s, {b['items_per_s']:,} "
+        f"items/s ({b['items']:,} mutations from its build stream{seqnos}, active from seqno "
+        f"sum {b['active_from_seqno_sum']:,}), {b['entries_per_s']:,} "
+        f"entries/s ({b['entries']:,} entries); building {b['building_s']:.2f} s, catchup "
+        f"{catchup} (polled every {STATE_POLL_S * 1000:.0f} ms; the POST took "
+        f"{b['create_request_s']:.2f} s); daemon CPU {b['daemon_main_cpu_s']:.2f} s main thread "
+        f"+ {b['daemon_thread_cpu_s']:.2f} s other threads, router CPU {b['router_cpu_s']:.2f} "
+        f"s, this process (feed, sampling) {b['bench_cpu_s']:.2f} s"
+    )
+
+
+def report_lag(phase: str, s: dict[str, Any], feed_rate: float) -> None:
+    if not s["samples"]:
+        return
+
+    def three(what: str, ms: bool = True) -> str:
+        text = " / ".join(f"{s[f'{what}_{q}']:,}" for q in ("p50", "p99", "max"))
+        if ms:
+            text += " (" + " / ".join(f"{s[f'{what}_{q}_ms']:,.0f}" for q in ("p50", "p99", "max"))
+            text += f" ms at {feed_rate:,.0f}/s)"
+        return text
+
+    say(
+        f"  lag {phase} ({s['samples']} samples), p50 / p99 / max: maintenance (router appended "
+        f"- daemon readable) {three('lag')}; the router behind the file "
+        f"{three('router_behind', False)}; end to end (file - readable) {three('end_to_end')}"
+    )
+
+
+def check(label: str, got: int, want: int) -> bool:
+    ok = got == want
+    say(f"  {'check' if ok else 'WARNING'}: {label} {got:,} {'==' if ok else '!='} {want:,}")
+    return ok
+
+
+def builds(
+    opts: argparse.Namespace, workdir: Path, initial: Path, model: Model, total: int
+) -> dict[str, Any]:
+    run_dir = workdir / "builds"
+    daemon = Node(run_dir / "daemon")
+    jsonl = run_dir / "follow.jsonl"
+    shutil.copyfile(initial, jsonl)
+    router: Router | None = None
+    feed: Feed | None = None
+    sampler: LagSampler | None = None
+    checks: dict[str, bool] = {}
+    try:
+        daemon.start()
+        with httpx.Client(timeout=opts.timeout) as client:
+            started = time.monotonic()
+            router = Router(
+                run_dir / "router",
+                ["--to", daemon.feed_address, "--jsonl", str(jsonl), "--follow"],
+            )
+            appended_s, readable_s = load(
+                "load", router, [daemon], total, started, client, opts.timeout
+            )
+            say(
+                f"load: {total:,} documents appended by the router after {appended_s:.2f} s, "
+                f"readable on the daemon after {readable_s:.2f} s ({total / readable_s:,.0f}/s "
+                f"from the router's start)"
+            )
+
+            quiet = time_build(client, daemon, router, "by_zip", opts.timeout)
+            report_build("without a feed", quiet)
+            checks["quiet_count"] = check(
+                "request_plus count of by_zip = live documents with address.zip",
+                daemon.count(client, "by_zip"),
+                model.with_zip(),
+            )
+            dropped_at = time.monotonic()
+            answer = client.delete(f"{daemon.url}/indexes/by_zip")
+            if answer.status_code != 204:
+                raise RuntimeError(f"drop by_zip: HTTP {answer.status_code}: {answer.text}")
+            drop_s = time.monotonic() - dropped_at
+            say(f"drop by_zip: {drop_s:.2f} s")
+
+            more = generate(
+                Workload(1 << 40, opts.keys, DELETE_RATIO, opts.seed + FEED_SEED_OFFSET)
+            )
+            feed = Feed(jsonl, more, opts.feed_rate, model)
+            sampler = LagSampler(daemon, router, feed, total)
+            sampler.start()
+            feed.start()
+            time.sleep(WARMUP_S)
+            sampler.phase = "baseline"
+            time.sleep(BASELINE_S)
+            sampler.phase = "build"
+            with_feed = time_build(
+                client, daemon, router, "by_zip2", opts.timeout, feed, sampler, opts.feed_max_s
+            )
+            if not feed.stopped.is_set():
+                sampler.phase = "after"
+                time.sleep(AFTER_S)
+            feed.stop()
+            sampler.stop()
+            fed = feed.written
+            final = total + fed
+            caught_up_s, readable_after_s = load(
+                "after the feed", router, [daemon], final, time.monotonic(), client, opts.timeout
+            )
+            report_build(f"with a feed of {opts.feed_rate:,.0f}/s", with_feed)
+            lag = {phase: sampler.summary(phase, opts.feed_rate) for phase in PHASES}
+            say(
+                f"  feed: {fed:,} documents in {feed.seconds:.2f} s ({fed / feed.seconds:,.0f}/s; "
+                f"at most {feed.max_behind:,} due at once); everything readable "
+                f"{readable_after_s:.2f} s after it stopped; {sampler.failures} failed samples"
+            )
+            if with_feed["feed_stopped_after_s"] is not None:
+                stop = with_feed["build_at_feed_stop"] or {}
+                say(
+                    f"  NOTE: by_zip2 was not active {opts.feed_max_s:g} s after its create "
+                    f"under the feed (--feed-max-s): the feed was stopped then, the build at "
+                    f"{stop.get('received_seqno_sum', 0):,} of {stop.get('target_seqno_sum', 0):,}"
+                    f" seqnos ({with_feed['seqnos_per_s_under_feed']:,}/s under the feed)"
+                )
+            for phase in PHASES:
+                report_lag(phase, lag[phase], opts.feed_rate)
+            checks["feed_count"] = check(
+                "request_plus count of by_zip2 = live documents with address.zip",
+                daemon.count(client, "by_zip2"),
+                model.with_zip(),
+            )
+            checks["feed_by_city"] = check(
+                "request_plus count of by_city = live documents with address.city",
+                daemon.count(client, "by_city"),
+                model.with_city(),
+            )
+        router.stop()
+        daemon.stop()
+    finally:
+        if feed is not None and feed.is_alive():
+            feed.stopped.set()
+            feed.join()
+        if sampler is not None and sampler.is_alive():
+            sampler.stop()
+        if router is not None:
+            router.kill()
+        daemon.kill()
+    return {
+        "load_appended_s": round(appended_s, 3),
+        "load_readable_s": round(readable_s, 3),
+        "load_per_s": round(total / readable_s),
+        "quiet": quiet,
+        "drop_s": round(drop_s, 3),
+        "with_feed": with_feed,
+        "feed_documents": fed,
+        "feed_seconds": round(feed.seconds, 3),
+        "feed_per_s": round(fed / feed.seconds),
+        "feed_max_due": feed.max_behind,
+        "readable_after_feed_s": round(readable_after_s, 3),
+        "appended_after_feed_s": round(caught_up_s, 3),
+        "lag": lag,
+        "lag_samples_failed": sampler.failures,
+        "build_slowdown": ratio(quiet["items_per_s"], with_feed["items_per_s"]),
+        "checks": checks,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Scan fan-out
+
+
+def write_map(path: Path, nodes: Sequence[tuple[str, int, int, str]]) -> Path:
+    """A cluster map: (name, feed port, HTTP port, vbuckets TOML value) per node."""
+    lines = ["num_vbuckets = 1024"]
+    for name, feed_port, http_port, vbuckets in nodes:
+        lines += [
+            f"[nodes.{name}]",
+            f'feed = "{HOST}:{feed_port}"',
+            f'http = "{HOST}:{http_port}"',
+            f"vbuckets = {vbuckets}",
+        ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def ndjson_scan(url: str, timeout: float) -> int:
+    """An NDJSON scan of the whole index, streamed, newlines counted (a client of its own, as
+    `scan_cluster` has)."""
+    rows = 0
+    params = {"consistency": "any"}
+    with (
+        httpx.Client(timeout=timeout) as client,
+        client.stream("GET", f"{url}/indexes/{SCAN_INDEX}/scan", params=params) as response,
+    ):
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"scan: HTTP {response.status_code}: {response.text[:200]}")
+        for chunk in response.iter_raw():
+            rows += chunk.count(b"\n")
+    return rows
+
+
+def parallel_ndjson_scan(urls: Sequence[str], timeout: float) -> int:
+    """NDJSON scans of several nodes at once, one thread each, newlines counted: no merge."""
+    with ThreadPoolExecutor(len(urls)) as pool:
+        return sum(pool.map(lambda url: ndjson_scan(url, timeout), urls))
+
+
+def merged_scan(map_path: Path, timeout: float) -> int:
+    """`scan_cluster` over every node of the map, every merged row read."""
+    cluster = load_cluster_map(map_path)
+    with scan_cluster(cluster, SCAN_INDEX, {"consistency": "any"}, timeout) as rows:
+        return sum(1 for _ in rows)
+
+
+def fan_out(
+    opts: argparse.Namespace, workdir: Path, initial: Path, with_city: int, total: int
+) -> dict[str, Any]:
+    run_dir = workdir / "fan-out"
+    run_dir.mkdir(parents=True)
+    ports = [free_port() for _ in range(4)]
+    two_map = write_map(
+        run_dir / "cluster.toml",
+        [("a", ports[0], ports[1], '["0-511"]'), ("b", ports[2], ports[3], '["512-1023"]')],
+    )
+    a = Node(run_dir / "a", ["--cluster-map", str(two_map), "--node", "a"])
+    b = Node(run_dir / "b", ["--cluster-map", str(two_map), "--node", "b"])
+    single = Node(run_dir / "single")
+    nodes = [a, b, single]
+    routers: list[Router] = []
+    checks: dict[str, bool] = {}
+    try:
+        for node in nodes:
+            node.start()
+        one_map = write_map(
+            run_dir / "single.toml", [("single", single.feed_port, single.http_port, '"all"')]
+        )
+        with httpx.Client(timeout=opts.timeout) as client:
+            started = time.monotonic()
+            routers.append(
+                Router(
+                    run_dir / "cluster-router",
+                    ["--cluster-map", str(two_map), "--jsonl", str(initial)],
+                )
+            )
+            _, two_load_s = load(
+                "2 nodes", routers[-1], [a, b], total, started, client, opts.timeout
+            )
+            routers[-1].stop()
+            started = time.monotonic()
+            routers.append(
+                Router(
+                    run_dir / "single-router",
+                    ["--to", single.feed_address, "--jsonl", str(initial)],
+                )
+            )
+            _, one_load_s = load(
+                "1 node", routers[-1], [single], total, started, client, opts.timeout
+            )
+            routers[-1].stop()
+            owned = [node.stats(client)["vbuckets"]["owned"] for node in nodes]
+            say(
+                f"fan-out: {total:,} documents loaded into 2 nodes (vbuckets {owned[0]} + "
+                f"{owned[1]}) through one router with --cluster-map in {two_load_s:.2f} s, into "
+                f"1 node ({owned[2]} vbuckets) with --to in {one_load_s:.2f} s"
+            )
+            counts = [node.count(client, SCAN_INDEX) for node in nodes]
+            checks["slices_add_up"] = check(
+                f"{SCAN_INDEX} entries of the 2 nodes {counts[0]:,} + {counts[1]:,}",
+                counts[0] + counts[1],
+                counts[2],
+            )
+            checks["model"] = check(
+                f"{SCAN_INDEX} entries of the single node = live documents with address.city",
+                counts[2],
+                with_city,
+            )
+            measures: dict[str, Callable[[], int]] = {
+                "two_nodes": lambda: merged_scan(two_map, opts.timeout),
+                "one_node_ndjson": lambda: ndjson_scan(single.url, opts.timeout),
+                "one_node": lambda: merged_scan(one_map, opts.timeout),
+                "two_nodes_ndjson": lambda: parallel_ndjson_scan([a.url, b.url], opts.timeout),
+            }
+            runs: dict[str, list[float]] = {name: [] for name in measures}
+            rows: dict[str, set[int]] = {name: set() for name in measures}
+            for _ in range(SCAN_REPEATS):
+                for name, measure in measures.items():
+                    t0 = time.perf_counter()
+                    rows[name].add(measure())
+                    runs[name].append(time.perf_counter() - t0)
+        for node in nodes:
+            node.stop()
+    finally:
+        for router in routers:
+            router.kill()
+        for node in nodes:
+            node.kill()
+    scanned = counts[2]
+    read = sorted(set().union(*rows.values()))
+    checks["rows"] = read == [scanned]
+    say(
+        ("  check: " if checks["rows"] else "  WARNING: ")
+        + f"rows read by every scan {read} (the index's count {scanned:,})"
+    )
+    best = {name: min(seconds) for name, seconds in runs.items()}
+    per_s = {name: round(scanned / seconds) for name, seconds in best.items()}
+    say(
+        f"scan of {SCAN_INDEX} ({scanned:,} rows, consistency=any, best of {SCAN_REPEATS}): "
+        f"2 nodes merged by scan_cluster {per_s['two_nodes']:,} rows/s; 1 node NDJSON (lines "
+        f"counted) {per_s['one_node_ndjson']:,} rows/s; 1 node by scan_cluster "
+        f"{per_s['one_node']:,} rows/s; 2 nodes NDJSON at once, lines counted, no merge "
+        f"{per_s['two_nodes_ndjson']:,} rows/s"
+    )
+    say(
+        f"  2 nodes merged / 1 node NDJSON: {ratio(per_s['two_nodes'], per_s['one_node_ndjson'])}"
+        f"; 2 nodes / 1 node, both by scan_cluster: {ratio(per_s['two_nodes'], per_s['one_node'])}"
+        f"; 2 nodes / 1 node, both NDJSON lines counted: "
+        f"{ratio(per_s['two_nodes_ndjson'], per_s['one_node_ndjson'])}"
+    )
+    return {
+        "rows": scanned,
+        "load_two_nodes_s": round(two_load_s, 3),
+        "load_one_node_s": round(one_load_s, 3),
+        "rows_per_s": per_s,
+        "seconds": {name: [round(s, 4) for s in seconds] for name, seconds in runs.items()},
+        "ratio_two_vs_one_ndjson": ratio(per_s["two_nodes"], per_s["one_node_ndjson"]),
+        "ratio_two_vs_one_merged": ratio(per_s["two_nodes"], per_s["one_node"]),
+        "ratio_two_vs_one_ndjson_both": ratio(per_s["two_nodes_ndjson"], per_s["one_node_ndjson"]),
+        "checks": checks,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+
+
+def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    began = time.monotonic()
+    load_before = os.getloadavg()[0]
+    fsync = fsync_ms(workdir)
+    total = opts.documents
+    documents = list(generate(Workload(total, opts.keys, DELETE_RATIO, opts.seed)))
+    model = Model()
+    model.add(documents)
+    initial = workdir / "initial.jsonl"
+    initial.write_text(jsonl_lines(documents))
+    del documents
+    say(
+        f"workload: {total:,} documents over {opts.keys:,} docids, {DELETE_RATIO:.0%} deletes, "
+        f"seed {opts.seed} ({initial.stat().st_size / MIB:.1f} MiB of JSONL; "
+        f"{model.with_zip():,} live documents); {os.cpu_count()} cores, Python "
+        f"{sys.version.split()[0]}, load average {load_before:.2f}, fsync of 4 KiB {fsync} ms"
+    )
+    with_city = model.with_city()  # the feed of the builds adds to the model
+    build = builds(opts, workdir, initial, model, total)
+    scans = fan_out(opts, workdir, initial, with_city, total)
+    seconds = time.monotonic() - began
+    checks = {f"build_{k}": v for k, v in build["checks"].items()}
+    checks.update({f"scan_{k}": v for k, v in scans["checks"].items()})
+    say(f"run: {seconds:.0f} s; checks {'passed' if all(checks.values()) else 'FAILED'}")
+    return {
+        "date": date.today().isoformat(),
+        "documents": total,
+        "keys": opts.keys,
+        "seed": opts.seed,
+        "feed_rate": opts.feed_rate,
+        "cores": os.cpu_count(),
+        "load_average_before": round(load_before, 2),
+        "load_average_after": round(os.getloadavg()[0], 2),
+        "fsync_ms": fsync,
+        "run_s": round(seconds, 1),
+        "quiet_build_items_per_s": build["quiet"]["items_per_s"],
+        "feed_build_items_per_s": build["with_feed"]["items_per_s"],
+        "lag_p99_baseline": build["lag"]["baseline"]["lag_p99"],
+        "lag_p99_build": build["lag"]["build"]["lag_p99"],
+        "scan_two_nodes_rows_per_s": scans["rows_per_s"]["two_nodes"],
+        "scan_one_node_ndjson_rows_per_s": scans["rows_per_s"]["one_node_ndjson"],
+        "scan_ratio_two_vs_one_ndjson": scans["ratio_two_vs_one_ndjson"],
+        "checks_passed": all(checks.values()),
+        "checks": checks,
+        "builds": build,
+        "scans": scans,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--documents", type=int, default=300_000, help="default 300,000")
+    parser.add_argument("--keys", type=int, default=None, help="docids (default documents/3)")
+    parser.add_argument(
+        "--feed-rate", type=float, default=10_000, help="documents/s of the feed (default 10,000)"
+    )
+    parser.add_argument(
+        "--feed-max-s",
+        type=float,
+        default=60,
+        help="stop the feed if the build is not active this long after its create (default 60)",
+    )
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--timeout", type=float, default=300, help="of every wait, seconds")
+    parser.add_argument("--keep", action="store_true", help="keep the temp directory")
+    opts = parser.parse_args()
+    if opts.keys is None:
+        opts.keys = max(1, opts.documents // 3)
+    if min(opts.documents, opts.keys) < 1 or opts.feed_rate <= 0:
+        parser.error("--documents, --keys and --feed-rate must be > 0")
+    return in_workdir("build-bench-", opts.keep, lambda workdir: run(opts, workdir))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
