@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -83,8 +83,12 @@ class IndexBuild:
         owned: Sequence[int],
         maintenance: StreamRegistry,
         cache_capacity: int,
+        defer: Callable[[], bool] | None = None,
     ) -> None:
         self.store = store
+        # True while the maintenance stream has a backlog: the build waits (it never comes
+        # first); its channel fills and TCP pushes back on the router's build stream.
+        self.defer = defer
         self.index = index
         self.maintenance = maintenance
         n = len(maintenance.received)
@@ -153,6 +157,8 @@ class IndexBuild:
                 except trio.WouldBlock:
                     break
             if batches:
+                while self.defer is not None and self.defer():
+                    await trio.sleep(CHECK_S / 10)
                 await self._flush(batches)
             if not self._reported and self.behind() <= CATCHUP_SLACK:
                 self.state = "catchup"

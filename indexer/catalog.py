@@ -30,6 +30,10 @@ from workers.worker import IndexChange, StreamItem, Worker
 
 log = logging.getLogger("indexer.catalog")
 
+MAINTENANCE_BACKLOG = 5_000
+"""Queued maintenance records above which index builds wait: keeping indexes current comes
+first."""
+
 MERGE_TIMEOUT_S = 30.0
 """How long maintenance may stay stopped for a build to reach its timestamp; past it the merge
 is given up and tried again once the build catches up again."""
@@ -76,11 +80,22 @@ class IndexCatalog:
     def add_build(self, index: StoredIndex) -> IndexBuild:
         """Start the initial build of a stored "building" index (at start-up or on create)."""
         owned = [vb for vb, flag in enumerate(self.reader.registry.owned) if flag]
-        build = IndexBuild(self.store, index, owned, self.reader.registry, self.cache_capacity)
+        build = IndexBuild(
+            self.store,
+            index,
+            owned,
+            self.reader.registry,
+            self.cache_capacity,
+            self._maintenance_backlog,
+        )
         self.builds[build.name] = build
         if self._nursery is not None:
             self._nursery.start_soon(self._run_build, build)
         return build
+
+    def _maintenance_backlog(self) -> bool:
+        """Whether the maintenance queues hold more than MAINTENANCE_BACKLOG records."""
+        return sum(w.ring.queued for w in self.workers) > MAINTENANCE_BACKLOG
 
     async def run(self) -> None:
         """Run the builds and merge each once it has caught up; until cancelled."""

@@ -28,13 +28,13 @@ from indexer.router.documents import Document
 from indexer.router.feed import (
     BATCH_RECORDS,
     END_TIMEOUT_S,
+    SEND_BYTES,
     FeedError,
     FeedSettings,
     RecordEncoder,
     _connection,
     _handshake,
     _Peer,
-    _send_chunks,
     batch_bytes,
 )
 from indexer.router.mutations import (
@@ -56,6 +56,36 @@ BACKFILL_QUEUE_CHUNKS = 4
 
 SNAPSHOTS_PER_TURN = 4
 """Memory snapshots one vbucket sends before the next vbucket's turn."""
+
+DEFER_S = 0.005
+"""How long a deferring stream waits before asking again."""
+
+DEFERRING_SEND_BYTES = 32 * 1024
+"""A deferring stream sends in smaller pieces, so the stream it gives way to waits less."""
+
+
+class MaintenanceFirst:
+    """`defer` for a node's build streams: true while the router has input waiting to be
+    appended, or the node's maintenance stream has mutations in memory still to send, so an
+    initial build never holds back keeping the indexes current."""
+
+    def __init__(
+        self, mm: MutationManager, consumer: str, input_waiting: Callable[[], bool]
+    ) -> None:
+        self.mm = mm
+        self.consumer = consumer
+        self.input_waiting = input_waiting
+        self.vbuckets: list[int] = []  # the node's, set when its maintenance stream connects
+
+    def __call__(self) -> bool:
+        if self.input_waiting():
+            return True
+        pending = self.mm.pending
+        consumer = self.consumer
+        try:
+            return any(pending(consumer, vb) for vb in self.vbuckets)
+        except MutationError:  # the maintenance stream is reconnecting
+            return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +304,7 @@ async def follow_memory(
     progress: NodeProgress | None = None,
     backfill_items: int = BACKFILL_CHUNK_ITEMS,
     build: str = "",
+    defer: Callable[[], bool] | None = None,
 ) -> NoReturn:
     """Stream to the indexer at host:port from the Mutation Manager, backfilling from `source`
     where memory does not reach, until cancelled or a FeedError (one connection, no retry).
@@ -281,7 +312,8 @@ async def follow_memory(
     `next_change()` is the event the next write to the manager sets. `on_connected(reply, n)`
     is called after the handshake with the number of vbuckets that start with a backfill.
     With `build`, this is the build stream of that index: the node's reply names that index only
-    (its keys are the only ones computed), and restarts from what the build has.
+    (its keys are the only ones computed), and restarts from what the build has. `defer()` is
+    asked between pieces sent: while it is true the stream waits (see `Deference`).
     """
     n = source.num_vbuckets
     settings = FeedSettings(router_name=router_name, num_vbuckets=n, on_rollback=on_rollback)
@@ -320,10 +352,10 @@ async def follow_memory(
                             chunk = chunk_receive.receive_nowait()
                         except trio.WouldBlock:
                             break
-                        moved += await _send(peer, cursors.backfill_chunks(chunk))
+                        moved += await _send(peer, cursors.backfill_chunks(chunk), defer)
                         moved += 1
                     try:
-                        moved += await _send(peer, cursors.memory_chunks())
+                        moved += await _send(peer, cursors.memory_chunks(), defer)
                     except MutationError as exc:  # a failover reset the vbucket meanwhile
                         raise FeedError(f"the source changed under the stream: {exc}") from None
                     stats.sent = cursors.sent
@@ -346,15 +378,31 @@ async def follow_memory(
     await _connection(host, port, run)
 
 
-async def _send(peer: _Peer, chunks: Iterator[tuple[list[bytes], int]]) -> int:
-    """Send the chunks' frames; how many items they carried."""
+async def _send(
+    peer: _Peer,
+    chunks: Iterator[tuple[list[bytes], int]],
+    defer: Callable[[], bool] | None = None,
+) -> int:
+    """Send the chunks' frames in pieces of about SEND_BYTES; how many items they carried.
+
+    With `defer`, wait between pieces while it says so (a build stream gives way to the
+    maintenance stream of its node).
+    """
     count = 0
-
-    def counted() -> Iterator[tuple[list[bytes], int]]:
-        nonlocal count
-        for frames, items in chunks:
-            count += items
-            yield frames, items
-
-    await _send_chunks(peer, counted(), None)
+    out: list[bytes] = []
+    size = 0
+    for frames, items in chunks:
+        count += items
+        out.extend(frames)
+        size += sum(len(frame) for frame in frames)
+        if size >= (SEND_BYTES if defer is None else DEFERRING_SEND_BYTES):
+            await peer.send(b"".join(out))
+            out.clear()
+            size = 0
+            if defer is not None:
+                await trio.sleep(0)  # small pieces, and the other tasks run between them
+                while defer():
+                    await trio.sleep(DEFER_S)
+    if out:
+        await peer.send(b"".join(out))
     return count

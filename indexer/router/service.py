@@ -31,7 +31,7 @@ from indexer.router.documents import Document, DocumentError, parse_line, vbucke
 from indexer.router.expiry import with_absolute_expiry
 from indexer.router.feed import RECONNECT_CODES, FeedError
 from indexer.router.mutations import MutationManager
-from indexer.router.node_stream import NodeProgress, follow_memory
+from indexer.router.node_stream import MaintenanceFirst, NodeProgress, follow_memory
 from indexer.router.source import SourceError, SourceLog, encode_document
 from indexer.router.workload import Workload, generate
 
@@ -126,6 +126,7 @@ class Appender:
         self.lock = trio.Lock()
         self._changed = trio.Event()
         self.dropped = 0  # cursors dropped over the memory cap
+        self.input_waiting = False  # an input has more to append than it has read
         self.expired = 0  # documents deleted by the expiry pager
 
     def next_change(self) -> trio.Event:
@@ -219,6 +220,8 @@ async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None
         offset = 0
         while True:
             data = await f.read(READ_BYTES)
+            # A full read: more input is waiting (index builds give way meanwhile).
+            appender.input_waiting = len(data) == READ_BYTES
             lines = splitter.feed(data) if data else []
             if not data and not follow:
                 lines = splitter.finish()
@@ -297,21 +300,25 @@ async def stream_to_node(
     host, port = address
     node = f"{host}:{port}"
     building: set[str] = set()
+    maintenance_first = MaintenanceFirst(appender.mm, node, lambda: appender.input_waiting)
     async with trio.open_nursery() as nursery:
 
         async def build_stream(index: str) -> None:
             try:
-                await _keep_streaming(address, source, appender, nodes, router_name, index)
+                await _keep_streaming(
+                    address, source, appender, nodes, router_name, index, defer=maintenance_first
+                )
             finally:
                 building.discard(index)
 
-        def on_builds(names: Sequence[str]) -> None:
-            for index in names:
+        def on_maintenance(reply: p.HandshakeReply) -> None:
+            maintenance_first.vbuckets = list(reply.owned)
+            for index in reply.builds:
                 if index not in building:
                     building.add(index)
                     nursery.start_soon(build_stream, index)
 
-        await _keep_streaming(address, source, appender, nodes, router_name, "", on_builds)
+        await _keep_streaming(address, source, appender, nodes, router_name, "", on_maintenance)
     log.info("%s: stopped", node)
 
 
@@ -322,7 +329,8 @@ async def _keep_streaming(
     nodes: Nodes,
     router_name: str,
     build: str,
-    on_builds: Callable[[Sequence[str]], None] | None = None,
+    on_connect: Callable[[p.HandshakeReply], None] | None = None,
+    defer: Callable[[], bool] | None = None,
 ) -> None:
     """One stream to the node (maintenance, or the build of index `build`): connect, stream,
     reconnect with backoff on errors; a build stream returns once the node says it is done."""
@@ -344,8 +352,8 @@ async def _keep_streaming(
                 restart,
                 backfills,
             )
-            if on_builds is not None and reply.builds:
-                on_builds(reply.builds)
+            if on_connect is not None:
+                on_connect(reply)
 
         def on_rollback(vbucket: int, seqno: int) -> None:
             log.warning("%s: vbucket %d: the indexer rolled back to seqno %d", name, vbucket, seqno)
@@ -365,6 +373,7 @@ async def _keep_streaming(
                     on_connected=on_connected,
                     progress=progress,
                     build=build,
+                    defer=defer,
                 )
             log.info("%s: handshaking again after a failover", name)
             continue
