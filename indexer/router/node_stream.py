@@ -121,6 +121,36 @@ def document_of(item: Item) -> Document:
     return decode_document(item.payload)
 
 
+RECENT_DOCUMENTS = 20_000
+"""Parsed documents of the latest appends kept for the streams (not counted in the cap)."""
+
+
+class RecentDocuments:
+    """The latest appended documents, parsed, by (vbucket, seqno): streams that keep up take
+    them from here instead of parsing the manager's payload again, once per stream."""
+
+    def __init__(self, capacity: int = RECENT_DOCUMENTS) -> None:
+        self.capacity = capacity
+        self._documents: dict[tuple[int, int], Document] = {}
+
+    def add(self, positions: Sequence[tuple[int, int]], documents: Sequence[Document]) -> None:
+        found = self._documents
+        for position, document in zip(positions, documents, strict=True):
+            found[position] = document
+        excess = len(found) - self.capacity
+        if excess > 0:
+            for position in list(islice(found, excess)):  # the oldest first
+                del found[position]
+
+    def get(self, vbucket: int, seqno: int) -> Document | None:
+        return self._documents.get((vbucket, seqno))
+
+    def forget(self, vbucket: int) -> None:
+        """After a failover of the vbucket: its seqnos will be reused."""
+        for position in [at for at in self._documents if at[0] == vbucket]:
+            del self._documents[position]
+
+
 class NodeCursors:
     """One connection's cursors (sans-IO): memory snapshots and backfill chunks in, frames out.
 
@@ -135,8 +165,10 @@ class NodeCursors:
         mm: MutationManager,
         consumer: str,
         batch_records: int = BATCH_RECORDS,
+        recent: RecentDocuments | None = None,
     ) -> None:
         self.source = source
+        self.recent = recent
         self.mm = mm
         self.consumer = consumer
         self.records = RecordEncoder(reply.indexes)
@@ -190,8 +222,15 @@ class NodeCursors:
             except BackfillRequired as exc:  # dropped over the memory cap since the last turn
                 self._start_backfill(exc.backfill)
                 continue
+            recent = self.recent
             for snapshot in snapshots:
-                versions = [(item.seqno, document_of(item)) for item in snapshot.items]
+                if recent is None:
+                    versions = [(item.seqno, document_of(item)) for item in snapshot.items]
+                else:
+                    versions = [
+                        (item.seqno, recent.get(vb, item.seqno) or document_of(item))
+                        for item in snapshot.items
+                    ]
                 self.sent += len(versions)
                 yield from self._snapshot_frames(vb, snapshot.start, snapshot.end, versions)
 
@@ -305,6 +344,7 @@ async def follow_memory(
     backfill_items: int = BACKFILL_CHUNK_ITEMS,
     build: str = "",
     defer: Callable[[], bool] | None = None,
+    recent: RecentDocuments | None = None,
 ) -> NoReturn:
     """Stream to the indexer at host:port from the Mutation Manager, backfilling from `source`
     where memory does not reach, until cancelled or a FeedError (one connection, no retry).
@@ -325,7 +365,7 @@ async def follow_memory(
     async def run(peer: _Peer) -> NoReturn:
         reply = await _handshake(peer, handshake, settings)
         try:
-            cursors = NodeCursors(reply, source, mm, consumer)
+            cursors = NodeCursors(reply, source, mm, consumer, recent=recent)
         except MutationError as exc:
             raise FeedError(f"the indexer's restart positions do not fit the log: {exc}") from None
         stats.connected = True

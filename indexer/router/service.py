@@ -31,8 +31,13 @@ from indexer.router.documents import Document, DocumentError, parse_line, vbucke
 from indexer.router.expiry import with_absolute_expiry
 from indexer.router.feed import RECONNECT_CODES, FeedError
 from indexer.router.mutations import MutationManager
-from indexer.router.node_stream import MaintenanceFirst, NodeProgress, follow_memory
-from indexer.router.source import SourceError, SourceLog, encode_document
+from indexer.router.node_stream import (
+    MaintenanceFirst,
+    NodeProgress,
+    RecentDocuments,
+    follow_memory,
+)
+from indexer.router.source import SourceError, SourceLog
 from indexer.router.workload import Workload, generate
 
 log = logging.getLogger("indexer.router")
@@ -123,6 +128,7 @@ class Appender:
     def __init__(self, source: SourceLog, mm: MutationManager) -> None:
         self.source = source
         self.mm = mm
+        self.recent = RecentDocuments()
         self.lock = trio.Lock()
         self._changed = trio.Event()
         self.dropped = 0  # cursors dropped over the memory cap
@@ -146,8 +152,9 @@ class Appender:
         # The log's in-memory state changes in one step after the batch is written, so the
         # streaming tasks read either the log before this batch or after it. The manager
         # only gets what the log holds: a dropped cursor finds everything there.
-        positions, payloads = await trio.to_thread.run_sync(self._append, documents)
+        positions, documents, payloads = await trio.to_thread.run_sync(self._append, documents)
         write = self.mm.write
+        self.recent.add(positions, documents)
         for (vb, seqno), document, payload in zip(positions, documents, payloads, strict=True):
             for backfill in write(vb, seqno, document.docid.encode(), payload):
                 self.dropped += 1
@@ -165,7 +172,8 @@ class Appender:
 
     def _append(
         self, documents: Sequence[Document]
-    ) -> tuple[list[tuple[int, int]], list[bytes | None]]:
+    ) -> tuple[list[tuple[int, int]], list[Document], list[bytes | None]]:
+        """Append (blocking): each document's position, its stored form and its payload."""
         n = self.source.num_vbuckets
         now = time.time()
         # Stored with an absolute `_exp`: the manager's payloads must match the log.
@@ -177,9 +185,12 @@ class Appender:
             seqno = highs.get(vb, self.source.high_seqno(vb)) + 1
             highs[vb] = seqno
             positions.append((vb, seqno))
-        self.source.append(documents, now)
-        payloads = [None if d.body is None else encode_document(d) for d in documents]
-        return positions, payloads
+        encoded: list[bytes] = []
+        self.source.append(documents, now, encoded)
+        payloads = [
+            None if d.body is None else value for d, value in zip(documents, encoded, strict=True)
+        ]
+        return positions, documents, payloads
 
     async def expire(self) -> int:
         """Delete the documents whose expiry has passed (the expiry pager's step); how many.
@@ -204,6 +215,7 @@ class Appender:
         async with self.lock:
             vbuuid, at = await trio.to_thread.run_sync(self.source.failover, vbucket, seqno)
             self.mm.reset_vbucket(vbucket, at)
+            self.recent.forget(vbucket)  # its seqnos after `at` will name other documents
         return vbuuid, at
 
 
@@ -374,6 +386,7 @@ async def _keep_streaming(
                     progress=progress,
                     build=build,
                     defer=defer,
+                    recent=appender.recent,
                 )
             log.info("%s: handshaking again after a failover", name)
             continue

@@ -231,12 +231,17 @@ class SourceLog:
             if vbuuid and vbuuid not in used:
                 return vbuuid
 
-    def append(self, documents: Iterable[Document], now: float | None = None) -> int:
+    def append(
+        self,
+        documents: Iterable[Document],
+        now: float | None = None,
+        encoded: list[bytes] | None = None,
+    ) -> int:
         """Give each document the next seqno of its vbucket and store it; one synced batch.
 
         An `_exp` is stored as an absolute unix time (relative to `now`, default the clock), and
-        the expiry index follows each document's latest version. Returns how many documents were
-        appended.
+        the expiry index follows each document's latest version. `encoded`, if given, receives
+        each document's stored bytes. Returns how many documents were appended.
         """
         changed: dict[int, _Vbucket] = {}
         pending: dict[str, int | None] = {}  # docid -> its new expiry (None: none any more)
@@ -252,7 +257,10 @@ class SourceLog:
                 if state is None:
                     state = changed[vb] = self._copy(self._state(vb))
                 state.high += 1
-                batch.put(record_key(vb, state.high), encode_document(document))
+                value = encode_document(document)
+                batch.put(record_key(vb, state.high), value)
+                if encoded is not None:
+                    encoded.append(value)
                 self._track_expiry(batch, document, pending)
                 count += 1
             for vb, state in changed.items():

@@ -183,3 +183,29 @@ def test_a_restart_ahead_of_the_log_is_refused(source: SourceLog) -> None:
     with pytest.raises(FeedError, match="has history this log does not"):
         NodeCursors(reply({0: 10_000}), source, mm, "a")
     assert all(mm.cursors(vb) == [] for vb in range(N))  # nothing left registered
+
+
+def test_recent_documents_are_bounded_forgotten_on_failover_and_change_nothing(
+    source: SourceLog,
+) -> None:
+    from indexer.router.node_stream import RecentDocuments
+
+    recent = RecentDocuments(capacity=3)
+    recent.add([(0, 1), (0, 2), (1, 1), (1, 2)], [Document(f"d{i}", {"i": i}) for i in range(4)])
+    assert recent.get(0, 1) is None and recent.get(1, 2) == Document("d3", {"i": 3})
+    recent.forget(1)
+    assert recent.get(1, 1) is None and recent.get(0, 2) == Document("d1", {"i": 1})
+    # Streams with and without the parsed documents at hand send the same frames.
+    mm = MutationManager(capacity=1 << 30)
+    recent = RecentDocuments()
+    before = {vb: source.high_seqno(vb) for vb in range(N)}
+    documents = docs(0, 200, ids=150)
+    source.append(documents)
+    for vb in range(N):
+        for seqno, document in source.read(vb, before[vb]):
+            payload = None if document.body is None else encode_document(document)
+            mm.write(vb, seqno, document.docid.encode(), payload)
+            recent.add([(vb, seqno)], [document])
+    plain = NodeCursors(reply(), source, mm, "plain")
+    cached = NodeCursors(reply(), source, mm, "cached", recent=recent)
+    assert list(plain.memory_chunks()) == list(cached.memory_chunks())
