@@ -89,6 +89,8 @@ STATE_POLL_S = 0.05
 SAMPLE_S = 0.1
 WAIT_POLL_S = 0.05
 FEED_TICK_S = 0.05
+PROBE_ID = "probe"
+PROBE_CITY = "~probe"  # sorts after every generated city
 WARMUP_S = 1.0
 BASELINE_S = 5.0
 AFTER_S = 2.0
@@ -325,6 +327,8 @@ class Feed(threading.Thread):
         self.seconds = 0.0
         self.stopped = threading.Event()
         self.error: BaseException | None = None
+        self.ticks = 0
+        self.probe_written: dict[int, float] = {}  # tick -> when its probe line was written
 
     def run(self) -> None:
         started = time.monotonic()
@@ -335,8 +339,15 @@ class Feed(threading.Thread):
                     self.max_behind = max(self.max_behind, due)
                     if due > 0:
                         batch = list(islice(self.documents, min(due, int(self.rate) + 1)))
+                        # The probe: one document rewritten every tick with the tick's number
+                        # in its by_city key, to time how soon a write becomes readable.
+                        self.ticks += 1
+                        batch.append(
+                            Document(PROBE_ID, {"address": {"city": PROBE_CITY}, "age": self.ticks})
+                        )
                         f.write(jsonl_lines(batch))  # whole lines in one write
                         f.flush()
+                        self.probe_written[self.ticks] = time.monotonic()
                         self.model.add(batch)
                         self.written += len(batch)
                     self.stopped.wait(FEED_TICK_S)
@@ -372,6 +383,25 @@ class LagSampler(threading.Thread):
         self.samples: list[Sample] = []
         self.failures = 0
         self.stopped = threading.Event()
+        self.visible: list[tuple[str, float]] = []  # (phase, s from the probe's write to read)
+        self._seen = 0
+
+    def probe(self, client: httpx.Client, phase: str) -> None:
+        """Read the probe's latest visible tick; time every tick that became visible since."""
+        answer = client.get(
+            f"{self.daemon_url}/indexes/by_city/scan",
+            params={"eq": json.dumps([PROBE_CITY]), "consistency": "any"},
+        )
+        rows = [json.loads(line) for line in answer.text.splitlines() if line]
+        if not rows:
+            return
+        tick = int(rows[-1]["key"][1])
+        now = time.monotonic()
+        written = self.feed.probe_written
+        for seen in range(self._seen + 1, tick + 1):
+            if seen in written:
+                self.visible.append((phase, now - written[seen]))
+        self._seen = max(self._seen, tick)
 
     def run(self) -> None:
         with httpx.Client(timeout=10) as client:
@@ -385,7 +415,8 @@ class LagSampler(threading.Thread):
                     appended = client.get(f"{self.router_url}/stats").json()["source"][
                         "high_seqno_sum"
                     ]
-                except (httpx.HTTPError, ValueError, KeyError):
+                    self.probe(client, phase)
+                except (httpx.HTTPError, ValueError, KeyError, IndexError):
                     self.failures += 1
                 else:
                     self.samples.append(
@@ -407,6 +438,10 @@ class LagSampler(threading.Thread):
         out: dict[str, Any] = {"samples": len(samples)}
         if not samples:
             return out
+        visible = [1000 * seconds for p, seconds in self.visible if p == phase]
+        out["probes"] = len(visible)
+        for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
+            out[f"visible_{name}_ms"] = round(percentile(visible, q), 1)
         for what in ("lag", "end_to_end", "router_behind"):
             values = [getattr(s, what) for s in samples]
             for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
@@ -574,6 +609,13 @@ def report_lag(phase: str, s: dict[str, Any], feed_rate: float) -> None:
         f"- daemon readable) {three('lag')}; the router behind the file "
         f"{three('router_behind', False)}; end to end (file - readable) {three('end_to_end')}"
     )
+    if s.get("probes"):
+        say(
+            f"    a write readable after, p50 / p99 / max ({s['probes']} probes, polled every "
+            f"{SAMPLE_S * 1000:.0f} ms): "
+            + " / ".join(f"{s[f'visible_{q}_ms']:,.0f}" for q in ("p50", "p99", "max"))
+            + " ms"
+        )
 
 
 def check(label: str, got: int, want: int) -> bool:
