@@ -3,15 +3,38 @@
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 
 class DocumentError(ValueError):
     """A line of the input is not a document the feed understands."""
+
+
+_LONG_DIGITS = re.compile(r"\d{19}")
+_LONG_DIGITS_BYTES = re.compile(rb"\d{19}")
+
+
+def json_loads(text: str | bytes) -> Any:
+    """Parse JSON as `json.loads` does, with orjson's speed where the two agree.
+
+    orjson refuses some of what the standard library accepts (NaN, lone surrogates) and reads
+    integers beyond 64 bits as floats: a text with a run of 19 digits, or one orjson refuses,
+    goes to the standard library, so nothing parses differently.
+    """
+    long_digits = _LONG_DIGITS if isinstance(text, str) else _LONG_DIGITS_BYTES
+    if long_digits.search(text) is None:  # type: ignore[arg-type]
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +53,7 @@ def vbucket_of(docid: bytes, num_vbuckets: int) -> int:
 def parse_line(line: str, where: str) -> Document:
     """One JSONL line: {"id": ..., "doc": {...}} or {"id": ..., "deleted": true}."""
     try:
-        item = json.loads(line)
+        item = json_loads(line)
     except ValueError as exc:
         raise DocumentError(f"{where}: not JSON: {exc}") from None
     if not isinstance(item, dict) or "id" not in item:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from indexer.protocol import MAX_FAILOVER_ENTRIES
-from indexer.router.documents import Document, vbucket_of
+from indexer.router.documents import Document, json_loads, vbucket_of
 from indexer.router.expiry import expiry_of, with_absolute_expiry
 from indexer.storage import open_leveldb
 
@@ -74,7 +74,7 @@ def encode_document(document: Document) -> bytes:
 
 
 def decode_document(value: bytes) -> Document:
-    item = json.loads(value)
+    item = json_loads(value)
     return Document(item["id"], None if item.get("deleted") else item["doc"])
 
 

@@ -372,3 +372,27 @@ async def test_acks_arriving_together_are_applied_in_order() -> None:
     with trio.move_on_after(1):
         await peer.read_acks()
     assert peer.acked == {0: 7, 1: 7}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": 1.5, "b": [true, null, "x\\u00e9"]}',
+        '{"n": NaN, "i": -Infinity}',  # the standard library's extensions
+        '{"big": 123456789012345678901234567890}',  # beyond 64 bits
+        '{"s": "\\ud800"}',  # a lone surrogate
+        '{"dup": 1, "dup": 2}',
+    ],
+)
+def test_fast_json_parses_exactly_as_the_standard_library(text: str) -> None:
+    import json
+    import math
+
+    from indexer.router.documents import json_loads
+
+    got, want = json_loads(text), json.loads(text)
+    assert json.dumps(got) == json.dumps(want)
+    if "NaN" in text:
+        assert math.isnan(got["n"])
+    with pytest.raises(ValueError, match="Expecting"):
+        json_loads('{"a": }')
