@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, suppress
 from dataclasses import dataclass
@@ -291,6 +292,22 @@ class Wakeup:
         self._event = trio.Event()
 
 
+def read_backfill_chunks(
+    source: SourceLog, wanted: Sequence[tuple[Backfill, int]], max_items: int
+) -> list[BackfillChunk]:
+    """One chunk for each (backfill, reached so far), in order, until `max_items` versions are
+    read in all (blocking: one worker-thread call serves many vbuckets)."""
+    out = []
+    budget = max_items
+    for backfill, after in wanted:
+        if budget <= 0:
+            break
+        chunk = read_backfill_chunk(source, backfill.vbucket, after, backfill.until, budget)
+        out.append(chunk)
+        budget -= max(len(chunk.versions), 1)
+    return out
+
+
 async def _backfill(
     source: SourceLog,
     requests: trio.MemoryReceiveChannel[Backfill],
@@ -298,18 +315,31 @@ async def _backfill(
     wakeup: Wakeup,
     max_items: int,
 ) -> None:
-    """Read the source log for each backfill request into the bounded chunk queue."""
-    async for backfill in requests:
-        after = backfill.after
+    """Read the source log for the backfill requests into the bounded chunk queue.
+
+    Requests are served together, up to `max_items` versions per worker-thread call: after a
+    reconnect hundreds of vbuckets may each need a few versions, and one call per vbucket would
+    keep the last of them waiting for all the others.
+    """
+    pending: deque[tuple[Backfill, int]] = deque()  # (request, the seqno reached so far)
+    while True:
+        if not pending:
+            backfill = await requests.receive()
+            pending.append((backfill, backfill.after))
         while True:
-            chunk = await trio.to_thread.run_sync(
-                read_backfill_chunk, source, backfill.vbucket, after, backfill.until, max_items
-            )
+            try:
+                backfill = requests.receive_nowait()
+            except trio.WouldBlock:
+                break
+            pending.append((backfill, backfill.after))
+        wanted = list(pending)
+        read = await trio.to_thread.run_sync(read_backfill_chunks, source, wanted, max_items)
+        for (backfill, _), chunk in zip(wanted, read, strict=False):
+            pending.popleft()
             await chunks.send(chunk)
             wakeup.set()
-            if chunk.last:
-                break
-            after = chunk.end
+            if not chunk.last:  # more of this vbucket after the others' turn
+                pending.append((backfill, chunk.end))
 
 
 async def _forward_appends(next_change: Callable[[], trio.Event], wakeup: Wakeup) -> None:

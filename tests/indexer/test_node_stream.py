@@ -209,3 +209,30 @@ def test_recent_documents_are_bounded_forgotten_on_failover_and_change_nothing(
     plain = NodeCursors(reply(), source, mm, "plain")
     cached = NodeCursors(reply(), source, mm, "cached", recent=recent)
     assert list(plain.memory_chunks()) == list(cached.memory_chunks())
+
+
+def test_backfills_of_many_vbuckets_are_read_together_within_a_budget(
+    source: SourceLog,
+) -> None:
+    from indexer.router.mutations import Backfill
+    from indexer.router.node_stream import read_backfill_chunks
+
+    mm = MutationManager(capacity=1 << 30)
+    append(source, mm, docs(0, 400, ids=400))
+    wanted = [(Backfill("a", vb, 0, source.high_seqno(vb)), 0) for vb in range(N)]
+    chunks = read_backfill_chunks(source, wanted, max_items=150)
+    assert sum(len(c.versions) for c in chunks) == 150  # the budget, over several vbuckets
+    assert [c.vbucket for c in chunks] == list(range(len(chunks))) and len(chunks) > 1
+    assert all(c.last for c in chunks[:-1]) and not chunks[-1].last  # the budget cut the last
+    # Everything read, chunk after chunk per vbucket, with no gap.
+    reached = dict.fromkeys(range(N), 0)
+    while any(reached[vb] < source.high_seqno(vb) for vb in range(N)):
+        todo = [
+            (Backfill("a", vb, 0, source.high_seqno(vb)), reached[vb])
+            for vb in range(N)
+            if reached[vb] < source.high_seqno(vb)
+        ]
+        for chunk in read_backfill_chunks(source, todo, max_items=50):
+            assert chunk.start == reached[chunk.vbucket] + 1
+            assert [s for s, _ in chunk.versions] == list(range(chunk.start, chunk.end + 1))
+            reached[chunk.vbucket] = chunk.end
