@@ -143,7 +143,7 @@ class IndexCatalog:
             self.cache.add_index()
             self.timekeeper.entry_counts.append(0)
 
-        await self._change(apply)
+        await self.change_pipeline(apply)
         log.info(
             "index %s(%s)%s created (nothing streamed yet: no build needed)",
             definition.name,
@@ -205,7 +205,7 @@ class IndexCatalog:
             del self.builds[name]
 
         try:
-            await self._change(apply, complete_build)
+            await self.change_pipeline(apply, complete_build)
         except _GiveUp as exc:
             build.rearm()
             log.warning("%s; maintenance resumed, merging later", exc)
@@ -239,7 +239,7 @@ class IndexCatalog:
             self.cache.remove_index(position)
             del self.timekeeper.entry_counts[position]
 
-        await self._change(apply)
+        await self.change_pipeline(apply)
         deleted = await trio.to_thread.run_sync(self.store.delete_entries, dropped[0])
         log.info("index %s dropped: %d entries deleted", name, deleted)
 
@@ -265,24 +265,13 @@ class IndexCatalog:
     async def change_pipeline(
         self,
         apply: Callable[[], None],
-        before: Callable[[], Awaitable[None]] | None,
-        code: ErrorCode,
-        message: str,
-    ) -> None:
-        """A change between two epochs of the stream (index set, slice): routers are closed
-        with `code`, `before` runs once everything received is queued, `apply` once it is
-        written; then routers may connect again."""
-        await self._change(apply, before, code, message)
-
-    async def _change(
-        self,
-        apply: Callable[[], None],
         before: Callable[[], Awaitable[None]] | None = None,
         code: ErrorCode = ErrorCode.INDEXES_CHANGED,
         message: str = "index definitions changed: handshake again",
     ) -> None:
-        """Switch the index set between two epochs of the stream (see module doc); `before`
-        runs once everything received is written, while maintenance is stopped."""
+        """A change between two epochs of the stream (index set, slice; see module doc):
+        routers are closed with `code`, `before` runs once everything received is queued,
+        `apply` once it is written; then routers may connect again."""
         async with self._lock:
             self.reader.close_connections(code, message)
             try:

@@ -164,6 +164,29 @@ def load_cluster_map(path: Path) -> ClusterMap:
     return parse_cluster_map(text, str(path))
 
 
+class ClusterMapFile:
+    """A map file looked at again and again (by a router, by a node that follows it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+
+    def changed(self, force: bool = False) -> ClusterMap | None:
+        """The map if the file changed since the last look (or `force`), else None.
+
+        Raises ClusterMapError when the file cannot be read or is not a valid map.
+        """
+        try:
+            stat = self.path.stat()
+        except OSError as exc:
+            raise ClusterMapError(f"{self.path}: cannot read: {exc.strerror}") from None
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp == self._stamp and not force:
+            return None
+        self._stamp = stamp
+        return load_cluster_map(self.path)
+
+
 def row_order(row: dict[str, Any]) -> tuple[bytes, bytes]:
     """Where a scan row (`{"key": [...], "id": ...}`, `missing` positions) sorts in an index:
     its encoded key, then its docid's bytes, as the main index orders entries."""

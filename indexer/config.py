@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 from config import default_config_text
+from indexer.cluster import ClusterMapError, parse_vbuckets
 from indexer.protocol import IndexDefinition
 from indexer.where import WhereError, normalize_where
 from slab import parse_size
@@ -151,23 +152,10 @@ class _Section:
 
 
 def _vbuckets(spec: Any, num: int) -> tuple[int, ...]:
-    key = "server.owned_vbuckets"
-    if spec == "all":
-        return tuple(range(num))
-    if not isinstance(spec, list) or not spec:
-        raise ConfigError(f'{key}: must be "all" or a list of vbuckets and "first-last" ranges')
-    owned: set[int] = set()
-    for item in spec:
-        if isinstance(item, int) and not isinstance(item, bool):
-            first = last = item
-        elif isinstance(item, str) and re.fullmatch(r"\d+-\d+", item):
-            first, last = (int(x) for x in item.split("-"))
-        else:
-            raise ConfigError(f"{key}: {item!r} is neither a vbucket nor a range like '0-511'")
-        if not 0 <= first <= last < num:
-            raise ConfigError(f"{key}: {item!r} is outside 0-{num - 1}")
-        owned.update(range(first, last + 1))
-    return tuple(sorted(owned))
+    try:
+        return parse_vbuckets(spec, num, "server.owned_vbuckets")
+    except ClusterMapError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _indexes(tables: Any) -> tuple[IndexDefinition, ...]:

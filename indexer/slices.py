@@ -20,7 +20,7 @@ from pathlib import Path
 import trio
 
 from indexer.catalog import IndexCatalog
-from indexer.cluster import ClusterMapError, load_cluster_map
+from indexer.cluster import ClusterMapError, ClusterMapFile
 from indexer.keys import entry_tail
 from indexer.protocol import ErrorCode
 from indexer.storage import IndexStore, StoredIndex
@@ -70,11 +70,10 @@ class SliceWatch:
         catalog: IndexCatalog,
         cache: BackIndexCache,
     ) -> None:
-        self.path = path
+        self.map_file = ClusterMapFile(path)
         self.node = node
         self.catalog = catalog
         self.cache = cache
-        self._stamp: tuple[int, int] | None = None
         self.changes = 0
 
     def _owned(self) -> set[int]:
@@ -82,19 +81,13 @@ class SliceWatch:
         return {vb for vb, flag in enumerate(registry.owned) if flag}
 
     def _read(self) -> set[int] | None:
+        """This node's vbuckets in the map if the file changed, else None (errors logged)."""
         try:
-            stat = self.path.stat()
-        except OSError as exc:
-            log.error("cluster map %s: %s; keeping this node's vbuckets", self.path, exc)
-            return None
-        stamp = (stat.st_mtime_ns, stat.st_size)
-        if stamp == self._stamp:
-            return None
-        self._stamp = stamp
-        try:
-            cluster = load_cluster_map(self.path)
+            cluster = self.map_file.changed()
+            if cluster is None:
+                return None
             if cluster.num_vbuckets != len(self.catalog.reader.registry.owned):
-                raise ClusterMapError(f"{self.path}: num_vbuckets changed")
+                raise ClusterMapError(f"{self.map_file.path}: num_vbuckets changed")
             return set(cluster.node(self.node).vbuckets)
         except ClusterMapError as exc:
             log.error("%s; keeping this node's vbuckets", exc)

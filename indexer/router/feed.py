@@ -610,27 +610,42 @@ async def _send_chunks(
     peer: _Peer,
     chunks: Iterable[tuple[list[bytes], int]],
     progress: Callable[[int], None] | None,
-) -> None:
-    """Send the chunks' frames in pieces of about SEND_BYTES, reporting documents consumed."""
+    defer: Callable[[], bool] | None = None,
+    piece_bytes: int = SEND_BYTES,
+) -> int:
+    """Send the chunks' frames in pieces of about `piece_bytes`, reporting documents consumed;
+    how many they were. With `defer`, wait between pieces while it says so (a build stream gives
+    way to the maintenance stream of its node)."""
     out: list[bytes] = []
     size = 0
     count = 0
+    total = 0
     for frames, consumed in chunks:
         count += consumed
+        total += consumed
         if frames:
             out.extend(frames)
             size += sum(len(f) for f in frames)
-            if size >= SEND_BYTES:
+            if size >= piece_bytes:
                 await peer.send(b"".join(out))
                 out.clear()
                 size = 0
                 if progress is not None:
                     progress(count)
                     count = 0
+                if defer is not None:
+                    await trio.sleep(0)  # the other tasks run between pieces
+                    while defer():
+                        await trio.sleep(DEFER_S)
     if out:
         await peer.send(b"".join(out))
     if progress is not None and count:
         progress(count)
+    return total
+
+
+DEFER_S = 0.005
+"""How long a deferring stream waits before asking again."""
 
 
 END_TIMEOUT_S = 1.0

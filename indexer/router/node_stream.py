@@ -36,6 +36,7 @@ from indexer.router.feed import (
     _connection,
     _handshake,
     _Peer,
+    _send_chunks,
     batch_bytes,
 )
 from indexer.router.mutations import (
@@ -57,9 +58,6 @@ BACKFILL_QUEUE_CHUNKS = 4
 
 SNAPSHOTS_PER_TURN = 4
 """Memory snapshots one vbucket sends before the next vbucket's turn."""
-
-DEFER_S = 0.005
-"""How long a deferring stream waits before asking again."""
 
 DEFERRING_SEND_BYTES = 32 * 1024
 """A deferring stream sends in smaller pieces, so the stream it gives way to waits less."""
@@ -223,17 +221,15 @@ class NodeCursors:
             except BackfillRequired as exc:  # dropped over the memory cap since the last turn
                 self._start_backfill(exc.backfill)
                 continue
-            recent = self.recent
             for snapshot in snapshots:
-                if recent is None:
-                    versions = [(item.seqno, document_of(item)) for item in snapshot.items]
-                else:
-                    versions = [
-                        (item.seqno, recent.get(vb, item.seqno) or document_of(item))
-                        for item in snapshot.items
-                    ]
+                versions = [(item.seqno, self._document(vb, item)) for item in snapshot.items]
                 self.sent += len(versions)
                 yield from self._snapshot_frames(vb, snapshot.start, snapshot.end, versions)
+
+    def _document(self, vb: int, item: Item) -> Document:
+        """The item's document: parsed at its append if still at hand, else from its payload."""
+        found = self.recent.get(vb, item.seqno) if self.recent is not None else None
+        return found if found is not None else document_of(item)
 
     def backfill_chunks(self, chunk: BackfillChunk) -> Iterator[tuple[list[bytes], int]]:
         """(frames, items) of a backfill chunk; after its last one the cursor rejoins memory."""
@@ -449,30 +445,9 @@ async def follow_memory(
 
 
 async def _send(
-    peer: _Peer,
-    chunks: Iterator[tuple[list[bytes], int]],
-    defer: Callable[[], bool] | None = None,
+    peer: _Peer, chunks: Iterator[tuple[list[bytes], int]], defer: Callable[[], bool] | None
 ) -> int:
-    """Send the chunks' frames in pieces of about SEND_BYTES; how many items they carried.
-
-    With `defer`, wait between pieces while it says so (a build stream gives way to the
-    maintenance stream of its node).
-    """
-    count = 0
-    out: list[bytes] = []
-    size = 0
-    for frames, items in chunks:
-        count += items
-        out.extend(frames)
-        size += sum(len(frame) for frame in frames)
-        if size >= (SEND_BYTES if defer is None else DEFERRING_SEND_BYTES):
-            await peer.send(b"".join(out))
-            out.clear()
-            size = 0
-            if defer is not None:
-                await trio.sleep(0)  # small pieces, and the other tasks run between them
-                while defer():
-                    await trio.sleep(DEFER_S)
-    if out:
-        await peer.send(b"".join(out))
-    return count
+    """Send the chunks' frames; how many items they carried. A deferring stream sends smaller
+    pieces, so the stream it gives way to waits less."""
+    piece = SEND_BYTES if defer is None else DEFERRING_SEND_BYTES
+    return await _send_chunks(peer, chunks, None, defer, piece)

@@ -581,8 +581,9 @@ class ClusterWatch:
     NOT_MY_SLICE, and handed to `reconcile` whenever they differ."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self._stamp: tuple[int, int] | None = None
+        from indexer.cluster import ClusterMapFile
+
+        self.map_file = ClusterMapFile(path)
         self._poked = trio.Event()
 
     def poke(self) -> None:
@@ -590,23 +591,14 @@ class ClusterWatch:
 
     def load(self) -> list[Address] | None:
         """The map's feed addresses, or None if it is unchanged or (logged) unreadable."""
-        from indexer.cluster import ClusterMapError, load_cluster_map
+        from indexer.cluster import ClusterMapError
 
         try:
-            stat = self.path.stat()
-        except OSError as exc:
-            log.error("cluster map %s: %s; keeping the nodes as they are", self.path, exc)
-            return None
-        stamp = (stat.st_mtime_ns, stat.st_size)
-        if stamp == self._stamp and not self._poked.is_set():
-            return None
-        self._stamp = stamp
-        try:
-            cluster = load_cluster_map(self.path)
+            cluster = self.map_file.changed(force=self._poked.is_set())
         except ClusterMapError as exc:
             log.error("%s; keeping the nodes as they are", exc)
             return None
-        return [node.feed for node in cluster.nodes]
+        return None if cluster is None else [node.feed for node in cluster.nodes]
 
     async def run(self, reconcile: Callable[[list[Address]], None]) -> None:
         while True:

@@ -63,6 +63,21 @@ def expiry_key(when: int, docid: str) -> bytes:
     return _EXPIRY + _TIME.pack(when) + docid.encode()
 
 
+def _move_expiry(
+    batch: Any, docid: str, old: int | None, new: int | None, pending: dict[str, int | None]
+) -> None:
+    """Point the expiry index at a document's new expiry (in `batch`; noted in `pending`)."""
+    if old == new:
+        return
+    if old is not None:
+        batch.delete(expiry_key(old, docid))
+        batch.delete(_PENDING + docid.encode())
+    if new is not None:
+        batch.put(expiry_key(new, docid), b"")
+        batch.put(_PENDING + docid.encode(), _TIME.pack(new))
+    pending[docid] = new
+
+
 def encode_document(document: Document) -> bytes:
     """A document as compact JSON, in the JSONL input's shape."""
     item: dict[str, Any] = (
@@ -273,16 +288,7 @@ class SourceLog:
         """Point the expiry index at the document's new version (in the append's batch)."""
         docid = document.docid
         old = pending[docid] if docid in pending else self._pending.get(docid)
-        new = expiry_of(document)
-        if old == new:
-            return
-        if old is not None:
-            batch.delete(expiry_key(old, docid))
-            batch.delete(_PENDING + docid.encode())
-        if new is not None:
-            batch.put(expiry_key(new, docid), b"")
-            batch.put(_PENDING + docid.encode(), _TIME.pack(new))
-        pending[docid] = new
+        _move_expiry(batch, docid, old, expiry_of(document), pending)
 
     def _apply_pending(self, pending: dict[str, int | None]) -> None:
         for docid, when in pending.items():
@@ -359,14 +365,5 @@ class SourceLog:
         n = self.num_vbuckets
         affected = {d for d in self._pending if vbucket_of(d.encode(), n) == vbucket}
         for docid in affected | set(latest):
-            old = self._pending.get(docid)
             new = expiry_of(latest[docid]) if docid in latest else None
-            if old == new:
-                continue
-            if old is not None:
-                batch.delete(expiry_key(old, docid))
-                batch.delete(_PENDING + docid.encode())
-            if new is not None:
-                batch.put(expiry_key(new, docid), b"")
-                batch.put(_PENDING + docid.encode(), _TIME.pack(new))
-            pending[docid] = new
+            _move_expiry(batch, docid, self._pending.get(docid), new, pending)

@@ -46,20 +46,31 @@ def cluster_scan(cluster_map: Path, name: str, *extra: str) -> list[dict[str, An
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
-def test_two_nodes_share_the_vbuckets_and_a_merged_scan_equals_the_model(
-    daemon_factory: Any, routers: Any, tmp_path: Path
-) -> None:
+def two_nodes(
+    daemon_factory: Any, routers: Any, tmp_path: Path, workload: Workload
+) -> tuple[Daemon, Daemon, Path, list[Document], Path, Any]:
+    """Nodes a (vbuckets 0-511) and b (512-1023) of a cluster map, and a router following the
+    map and a JSONL file that starts with `workload`."""
     a, b = daemon_factory(), daemon_factory()
     cluster_map = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
     for daemon, name in ((a, "a"), (b, "b")):
         daemon.args = ["--cluster-map", str(cluster_map), "--node", name]
         daemon.start()
-    documents = list(generate(Workload(12_000, 3_000, 0.1, 401)))
+    documents = list(generate(workload))
     jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
     router = routers(
         "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
         "--cluster-map", str(cluster_map),
     )  # fmt: skip
+    return a, b, cluster_map, documents, jsonl, router
+
+
+def test_two_nodes_share_the_vbuckets_and_a_merged_scan_equals_the_model(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    a, b, cluster_map, documents, _, router = two_nodes(
+        daemon_factory, routers, tmp_path, Workload(12_000, 3_000, 0.1, 401)
+    )
     # Each node holds exactly the documents of its slice.
     wait_equal(a, owned_by(documents, 0, 511))
     wait_equal(b, owned_by(documents, 512, 1023))
@@ -111,17 +122,9 @@ def test_bad_cluster_map_commands_fail_with_one_line(tmp_path: Path) -> None:
 def test_moving_vbuckets_between_nodes_loses_nothing(
     daemon_factory: Any, routers: Any, tmp_path: Path
 ) -> None:
-    a, b = daemon_factory(), daemon_factory()
-    cluster_map = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
-    for daemon, name in ((a, "a"), (b, "b")):
-        daemon.args = ["--cluster-map", str(cluster_map), "--node", name]
-        daemon.start()
-    documents = list(generate(Workload(8_000, 3_000, 0.1, 411)))
-    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
-    router = routers(
-        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
-        "--cluster-map", str(cluster_map),
-    )  # fmt: skip
+    a, b, cluster_map, documents, jsonl, router = two_nodes(
+        daemon_factory, routers, tmp_path, Workload(8_000, 3_000, 0.1, 411)
+    )
     wait_equal(a, owned_by(documents, 0, 511))
     wait_equal(b, owned_by(documents, 512, 1023))
     # Rebalance: vbuckets 256-511 move from a to b while documents keep coming.

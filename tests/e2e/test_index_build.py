@@ -60,17 +60,27 @@ def keep_appending(jsonl: Path, documents: list[Document], stop: threading.Event
         time.sleep(0.1)
 
 
-def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
-    daemon_factory: Any, routers: Any, tmp_path: Path
-) -> None:
+def loaded(
+    daemon_factory: Any, routers: Any, tmp_path: Path, workload: Workload
+) -> tuple[Daemon, list[Document], Path, Any]:
+    """A daemon holding `workload`, streamed by a router that follows its JSONL file."""
     daemon = daemon_factory().start()
-    documents = list(generate(Workload(30_000, 5_000, 0.1, 201)))
+    documents = list(generate(workload))
     jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
     router = routers(
         "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
         "--to", daemon.address,
     )  # fmt: skip
     wait_equal(daemon, documents)
+    return daemon, documents, jsonl, router
+
+
+def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    daemon, documents, jsonl, router = loaded(
+        daemon_factory, routers, tmp_path, Workload(30_000, 5_000, 0.1, 201)
+    )
     stop = threading.Event()
     appender = threading.Thread(target=keep_appending, args=(jsonl, documents, stop))
     appender.start()
@@ -112,14 +122,9 @@ def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
 def test_a_build_resumes_after_the_daemon_is_killed_and_can_be_dropped(
     daemon_factory: Any, routers: Any, tmp_path: Path
 ) -> None:
-    daemon = daemon_factory().start()
-    documents = list(generate(Workload(60_000, 20_000, 0.1, 211)))
-    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
-    router = routers(
-        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
-        "--to", daemon.address,
-    )  # fmt: skip
-    wait_equal(daemon, documents)
+    daemon, documents, jsonl, router = loaded(
+        daemon_factory, routers, tmp_path, Workload(60_000, 20_000, 0.1, 211)
+    )
     created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP})
     assert created.status_code == 201, created.text
     # Killed as soon as the build has written something (or already finished).
