@@ -6,7 +6,7 @@ import json
 import re
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,15 @@ def json_loads(text: str | bytes) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Document:
-    """An upsert (`body` is the JSON object) or a delete (`body` is None) of one document."""
+    """An upsert (`body` is the JSON object) or a delete (`body` is None) of one document.
+
+    `line`: the JSONL line it was read from, if any; the source log stores that line as it is
+    rather than encoding the document again (`id` may be a number there: read it with `str`).
+    """
 
     docid: str
     body: dict[str, Any] | None
+    line: bytes | None = field(default=None, compare=False, repr=False)
 
 
 def vbucket_of(docid: bytes, num_vbuckets: int) -> int:
@@ -50,8 +55,11 @@ def vbucket_of(docid: bytes, num_vbuckets: int) -> int:
     return zlib.crc32(docid) % num_vbuckets
 
 
-def parse_line(line: str, where: str) -> Document:
-    """One JSONL line: {"id": ..., "doc": {...}} or {"id": ..., "deleted": true}."""
+def parse_line(line: str, where: str, raw: bytes | None = None) -> Document:
+    """One JSONL line: {"id": ..., "doc": {...}} or {"id": ..., "deleted": true}.
+
+    `raw`: the line's bytes, kept in the document for the source log.
+    """
     try:
         item = json_loads(line)
     except ValueError as exc:
@@ -65,11 +73,11 @@ def parse_line(line: str, where: str) -> Document:
     if len(docid.encode()) > 250:
         raise DocumentError(f"{where}: id longer than 250 bytes")
     if item.get("deleted") is True:
-        return Document(docid, None)
+        return Document(docid, None, raw)
     body = item.get("doc")
     if not isinstance(body, dict):
         raise DocumentError(f'{where}: expected "doc": {{...}} or "deleted": true')
-    return Document(docid, body)
+    return Document(docid, body, raw)
 
 
 def read_jsonl(path: Path) -> Iterator[Document]:

@@ -313,7 +313,10 @@ class MutationManager:
                 f"vbucket {vbucket}: seqno {seqno} is not above the last one ({vb.high})"
             )
         vb.high = seqno
-        if all(cursor.position is None for cursor in vb.cursors.values()):
+        for cursor in vb.cursors.values():  # a loop, not all(...): this runs per mutation
+            if cursor.position is not None:
+                break
+        else:
             self._unpinned.add(vbucket)
         cost = len(docid) + (0 if payload is None else len(payload)) + self.item_overhead
         self._grow(vb, vb.snapshots[-1].add(Item(seqno, docid, payload), cost))

@@ -28,6 +28,7 @@ from indexer import protocol as p
 from indexer.router.documents import Document
 from indexer.router.feed import (
     BATCH_RECORDS,
+    DEFER_S,
     END_TIMEOUT_S,
     SEND_BYTES,
     FeedError,
@@ -53,6 +54,10 @@ log = logging.getLogger("indexer.router")
 BACKFILL_CHUNK_ITEMS = 2048
 """Versions read from the source log per backfill chunk (one log read in a worker thread)."""
 
+DEFERRING_BACKFILL_ITEMS = 512
+"""Versions per worker-thread call of a deferring stream: the thread holds the GIL while it
+parses them, and a smaller call keeps the stream it gives way to waiting less."""
+
 BACKFILL_QUEUE_CHUNKS = 4
 """Chunks read ahead of the sender per connection: the bound of the backfill queue."""
 
@@ -63,10 +68,16 @@ DEFERRING_SEND_BYTES = 32 * 1024
 """A deferring stream sends in smaller pieces, so the stream it gives way to waits less."""
 
 
+MAX_DEFER_S = 0.25
+"""Longest a build stream waits in one go: a router that cannot keep up with its input would
+otherwise starve the build for as long as the input lasts."""
+
+
 class MaintenanceFirst:
     """`defer` for a node's build streams: true while the router has input waiting to be
     appended, or the node's maintenance stream has mutations in memory still to send, so an
-    initial build never holds back keeping the indexes current."""
+    initial build never holds back keeping the indexes current; false once in every
+    `MAX_DEFER_S` of waiting, so the build still moves."""
 
     def __init__(
         self, mm: MutationManager, consumer: str, input_waiting: Callable[[], bool]
@@ -75,8 +86,21 @@ class MaintenanceFirst:
         self.consumer = consumer
         self.input_waiting = input_waiting
         self.vbuckets: list[int] = []  # the node's, set when its maintenance stream connects
+        self._waiting_since: float | None = None
 
     def __call__(self) -> bool:
+        if not self._maintenance_busy():
+            self._waiting_since = None
+            return False
+        now = trio.current_time()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        elif now - self._waiting_since >= MAX_DEFER_S:
+            self._waiting_since = None
+            return False  # one turn for the build
+        return True
+
+    def _maintenance_busy(self) -> bool:
         if self.input_waiting():
             return True
         pending = self.mm.pending
@@ -310,12 +334,14 @@ async def _backfill(
     chunks: trio.MemorySendChannel[BackfillChunk],
     wakeup: Wakeup,
     max_items: int,
+    defer: Callable[[], bool] | None = None,
 ) -> None:
     """Read the source log for the backfill requests into the bounded chunk queue.
 
     Requests are served together, up to `max_items` versions per worker-thread call: after a
     reconnect hundreds of vbuckets may each need a few versions, and one call per vbucket would
-    keep the last of them waiting for all the others.
+    keep the last of them waiting for all the others. A deferring stream reads only while
+    `defer()` is false: its reads compete for the GIL with what it gives way to.
     """
     pending: deque[tuple[Backfill, int]] = deque()  # (request, the seqno reached so far)
     while True:
@@ -328,6 +354,8 @@ async def _backfill(
             except trio.WouldBlock:
                 break
             pending.append((backfill, backfill.after))
+        while defer is not None and defer():
+            await trio.sleep(DEFER_S)
         wanted = list(pending)
         read = await trio.to_thread.run_sync(read_backfill_chunks, source, wanted, max_items)
         for (backfill, _), chunk in zip(wanted, read, strict=False):
@@ -402,12 +430,19 @@ async def follow_memory(
         request_send, request_receive = trio.open_memory_channel[Backfill](math.inf)
         chunk_send, chunk_receive = trio.open_memory_channel[BackfillChunk](BACKFILL_QUEUE_CHUNKS)
         idle = False
+        per_call = min(backfill_items, DEFERRING_BACKFILL_ITEMS) if defer else backfill_items
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(peer.read_acks)
                 nursery.start_soon(_forward_appends, next_change, wakeup)
                 nursery.start_soon(
-                    _backfill, source, request_receive, chunk_send, wakeup, backfill_items
+                    _backfill,
+                    source,
+                    request_receive,
+                    chunk_send,
+                    wakeup,
+                    per_call,
+                    defer,
                 )
                 while True:
                     moved = 0

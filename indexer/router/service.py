@@ -108,7 +108,7 @@ def parse_lines(lines: Sequence[tuple[int, bytes]], where: str) -> tuple[list[Do
         try:
             text = raw.decode("utf-8")
             if text.strip():
-                document = parse_line(text, f"{where}:{number}")
+                document = parse_line(text, f"{where}:{number}", raw.strip())
                 try:
                     with_absolute_expiry(document, 0.0)  # a bad `_exp` is a bad line
                 except DocumentError as exc:
@@ -232,8 +232,8 @@ async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None
         offset = 0
         while True:
             data = await f.read(READ_BYTES)
-            # A full read: more input is waiting (index builds give way meanwhile).
-            appender.input_waiting = len(data) == READ_BYTES
+            # Input is waiting until a read finds nothing more (index builds give way meanwhile).
+            appender.input_waiting = bool(data)
             lines = splitter.feed(data) if data else []
             if not data and not follow:
                 lines = splitter.finish()

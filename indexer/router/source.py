@@ -89,8 +89,9 @@ def encode_document(document: Document) -> bytes:
 
 
 def decode_document(value: bytes) -> Document:
+    """A stored document: `encode_document`'s output, or an input line stored as it was read."""
     item = json_loads(value)
-    return Document(item["id"], None if item.get("deleted") else item["doc"])
+    return Document(str(item["id"]), None if item.get("deleted") is True else item["doc"])
 
 
 @dataclass
@@ -272,7 +273,8 @@ class SourceLog:
                 if state is None:
                     state = changed[vb] = self._copy(self._state(vb))
                 state.high += 1
-                value = encode_document(document)
+                # An input line holds the document in the shape the log stores: kept as it is.
+                value = document.line if document.line is not None else encode_document(document)
                 batch.put(record_key(vb, state.high), value)
                 if encoded is not None:
                     encoded.append(value)

@@ -7,12 +7,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from indexer import protocol as p
 from indexer.keys import index_key
 from indexer.router.documents import Document
 from indexer.router.mutations import MutationManager
-from indexer.router.node_stream import NodeCursors, read_backfill_chunk
+from indexer.router.node_stream import (
+    MAX_DEFER_S,
+    MaintenanceFirst,
+    NodeCursors,
+    read_backfill_chunk,
+)
 from indexer.router.source import SourceLog, encode_document
 
 N = 4
@@ -236,3 +243,31 @@ def test_backfills_of_many_vbuckets_are_read_together_within_a_budget(
             assert chunk.start == reached[chunk.vbucket] + 1
             assert [s for s, _ in chunk.versions] == list(range(chunk.start, chunk.end + 1))
             reached[chunk.vbucket] = chunk.end
+
+
+def test_build_streams_give_way_to_maintenance_but_are_never_starved() -> None:
+    """MaintenanceFirst defers while input waits or maintenance has mutations to send, and
+    lets the build through once every MAX_DEFER_S of waiting."""
+    mm = MutationManager(capacity=1 << 20)
+    waiting = [True]
+    defer = MaintenanceFirst(mm, "node", lambda: waiting[0])
+    defer.vbuckets = list(range(N))
+    for vb in range(N):
+        mm.register("node", vb, 0)
+    seen: list[tuple[float, bool]] = []
+
+    async def main() -> None:
+        for _ in range(60):  # 0.6 s of input waiting all along
+            seen.append((trio.current_time(), defer()))
+            await trio.sleep(0.01)
+        waiting[0] = False
+        seen.append((trio.current_time(), defer()))  # nothing waits: no deferring
+        mm.write(1, 1, b"d", b"{}")  # maintenance has a mutation to send
+        seen.append((trio.current_time(), defer()))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    turns = [at for at, deferred in seen[:60] if not deferred]
+    assert len(turns) == 2  # at 0.25 s and 0.51 s of waiting: never more than MAX_DEFER_S
+    gaps = [b - a for a, b in zip([0.0, *turns[:-1]], turns, strict=True)]
+    assert all(0.24 <= gap <= MAX_DEFER_S + 0.02 for gap in gaps)
+    assert seen[60][1] is False and seen[61][1] is True

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from indexer import protocol as p
-from indexer.router.documents import Document, vbucket_of
+from indexer.router.documents import Document, parse_line, vbucket_of
 from indexer.router.feed import BATCH_RECORDS, FeedError, LogEncoder, _Peer
-from indexer.router.source import SourceError, SourceLockedError, SourceLog
+from indexer.router.source import SourceError, SourceLockedError, SourceLog, record_key
 
 NUM_VBUCKETS = 8
 
@@ -396,3 +396,23 @@ def test_fast_json_parses_exactly_as_the_standard_library(text: str) -> None:
         assert math.isnan(got["n"])
     with pytest.raises(ValueError, match="Expecting"):
         json_loads('{"a": }')
+
+
+def test_input_lines_are_stored_as_read_and_read_back_as_parsed(tmp_path: Path) -> None:
+    """The log keeps an input line's bytes instead of encoding its document again: reading it
+    back must give what parsing the line gave, whatever else the line holds."""
+    lines = [
+        b'{"id": 7, "doc": {"a": 1.5e300, "b": [true, null]}, "note": "extra"}',
+        b'{"doc": {"x": "\\u00e9"}, "id": "e"}',
+        b'{"id": "d", "deleted": true, "doc": {"ignored": 1}}',
+        b'{"id": "k", "deleted": 1, "doc": {"kept": 1}}',  # not `true`: an upsert
+    ]
+    parsed = [parse_line(line.decode(), "input", line) for line in lines]
+    assert [d.line for d in parsed] == lines
+    with SourceLog(tmp_path, 1) as log:
+        log.append(parsed)
+        stored = [document for _, document in log.read(0, 0)]
+        assert [log.db.get(record_key(0, seqno)) for seqno in (1, 2, 3, 4)] == lines
+    assert stored == parsed
+    assert [d.docid for d in stored] == ["7", "e", "d", "k"]
+    assert stored[2].body is None and stored[3].body == {"kept": 1}
