@@ -13,6 +13,10 @@ and the index joins the maintenance stream, which resumes from M. Nothing is los
 applied past M (the rest of those snapshots) maintenance applies again, in seqno order, with
 the same keys, which ends in the same entries.
 
+The build's queued records live in the daemon's slab pool like the maintenance stream's, within
+a share of it (`BuildShare`) that all builds hold together: a build takes chunks only when the
+pool has them free and never queues for them, so maintenance never waits behind a build.
+
 Progress is measured by whole snapshots: the router de-duplicates a document's versions inside
 a snapshot, so a given seqno may never arrive, but after a snapshot's last item the build holds
 every document's latest version as of the snapshot's end.
@@ -30,12 +34,19 @@ import trio
 from indexer import protocol as p
 from indexer.reader import StreamRegistry
 from indexer.storage import IndexStore, StoredIndex
+from slab import SlabPool
 from workers.flush import BackIndexCache, IndexWriter
 
 log = logging.getLogger("indexer.build")
 
 BUILD_CHANNEL_BATCHES = 8
 """Lists of frames queued between a build connection and its writer: TCP pushes back beyond."""
+
+BUILD_POOL_SHARE = 0.25
+"""The part of the slab pool that builds' queued records may hold together."""
+
+SHARE_RETRY_S = 0.01
+"""How often a build waiting for slab chunks looks again (it never queues in the pool)."""
 
 FLUSH_RECORDS = 20_000
 """Records gathered from the channel into one build flush at most."""
@@ -71,6 +82,52 @@ class BuildStatus:
     percent: float
     received_seqno_sum: int
     target_seqno_sum: int
+    queued_records: int
+    slab_bytes: int
+
+
+class BuildShare:
+    """The builds' share of the slab pool: chunks taken only when free and within the share.
+
+    A build waiting here holds back its connection's reader, and TCP pushes back on the
+    router's build stream; the pool's own FIFO waiters (maintenance) are never overtaken by a
+    waiting build, since it only ever tries.
+    """
+
+    def __init__(self, pool: SlabPool, share: float = BUILD_POOL_SHARE) -> None:
+        self.pool = pool
+        self.limit = max(int(pool.statistics().total_bytes * share), pool.max_record)
+        self.used = 0  # payload bytes the builds' queued records hold
+        self.waits = 0
+
+    async def alloc(self, lengths: Sequence[int]) -> list[int]:
+        """Chunks for records of these lengths, once the pool has them and the share allows."""
+        need = sum(lengths)
+        waited = False
+        while True:
+            if self.used == 0 or self.used + need <= self.limit:
+                chunks = self.pool.try_alloc_many(lengths)
+                if chunks is not None:
+                    self.used += need
+                    return chunks
+            if not waited:
+                self.waits += 1
+                waited = True
+            await trio.sleep(SHARE_RETRY_S)
+
+    def free(self, chunks: Sequence[int], lengths: Sequence[int]) -> None:
+        self.pool.free_many(chunks, lengths)
+        self.used -= sum(lengths)
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedBatch:
+    """A build stream's mutation batch, its records copied into slab chunks."""
+
+    vbucket: int
+    chunks: list[int]
+    lengths: list[int]
+    last_seqno: int
 
 
 class IndexBuild:
@@ -83,9 +140,11 @@ class IndexBuild:
         owned: Sequence[int],
         maintenance: StreamRegistry,
         cache_capacity: int,
+        share: BuildShare,
         defer: Callable[[], bool] | None = None,
     ) -> None:
         self.store = store
+        self.share = share
         # True while the maintenance stream has a backlog: the build waits (it never comes
         # first); its channel fills and TCP pushes back on the router's build stream.
         self.defer = defer
@@ -97,9 +156,12 @@ class IndexBuild:
         self.cache = BackIndexCache(cache_capacity, 1)
         self.cache.load(store, [index])
         self.writer = IndexWriter(store, [index], self.cache)
-        self.send, self._receive = trio.open_memory_channel[
-            list[p.MutationBatch | p.SnapshotMarker]
-        ](BUILD_CHANNEL_BATCHES)
+        self._send, self._receive = trio.open_memory_channel[list[QueuedBatch | p.SnapshotMarker]](
+            BUILD_CHANNEL_BATCHES
+        )
+        self.queued_records = 0
+        self.slab_bytes = 0
+        self.closed = False
         # Per vbucket: the end of the snapshot being received, and the end of the last one
         # received whole and written (what the build covers).
         self._snapshot_end = [0] * n
@@ -118,7 +180,56 @@ class IndexBuild:
         received = sum(self.progress)
         target = sum(self.maintenance.received)
         percent = 100.0 if target <= 0 else min(100.0, 100.0 * received / target)
-        return BuildStatus(self.state, self.items, round(percent, 1), received, target)
+        return BuildStatus(
+            self.state,
+            self.items,
+            round(percent, 1),
+            received,
+            target,
+            self.queued_records,
+            self.slab_bytes,
+        )
+
+    async def accept(self, items: Sequence[p.MutationBatch | p.SnapshotMarker]) -> None:
+        """Queue what the build stream delivered: records into the builds' slab share."""
+        queued: list[QueuedBatch | p.SnapshotMarker] = []
+        try:
+            for item in items:
+                if type(item) is p.SnapshotMarker:
+                    queued.append(item)
+                    continue
+                assert type(item) is p.MutationBatch
+                lengths = list(item.lengths)
+                chunks = await self.share.alloc(lengths)
+                queued.append(QueuedBatch(item.vbucket, chunks, lengths, item.seqnos[-1]))
+                self.share.pool.copy_in(chunks, item.payload, item.starts, lengths)
+                self._count(lengths, 1)
+            if not self.closed:
+                await self._send.send(queued)
+                return
+        except BaseException:
+            self._free(queued)
+            raise
+        self._free(queued)  # the build ended meanwhile
+
+    def _count(self, lengths: Sequence[int], sign: int) -> None:
+        self.queued_records += sign * len(lengths)
+        self.slab_bytes += sign * sum(lengths)
+
+    def _free(self, items: Sequence[QueuedBatch | p.SnapshotMarker]) -> None:
+        for item in items:
+            if type(item) is QueuedBatch:
+                self.share.free(item.chunks, item.lengths)
+                self._count(item.lengths, -1)
+
+    def release(self) -> None:
+        """The build ended (merged, dropped or restarted): free the chunks still queued."""
+        self.closed = True
+        while True:
+            try:
+                self._free(self._receive.receive_nowait())
+            except trio.WouldBlock:
+                return
 
     def behind(self) -> int:
         """Seqnos the build trails maintenance by, over the owned vbuckets."""
@@ -148,7 +259,7 @@ class IndexBuild:
         `rearm`)."""
         self._reported = False
         while True:
-            batches: list[p.MutationBatch | p.SnapshotMarker] = []
+            batches: list[QueuedBatch | p.SnapshotMarker] = []
             with trio.move_on_after(CHECK_S):
                 batches.extend(await self._receive.receive())
             while len(batches) < FLUSH_RECORDS:
@@ -157,35 +268,36 @@ class IndexBuild:
                 except trio.WouldBlock:
                     break
             if batches:
-                while self.defer is not None and self.defer():
-                    await trio.sleep(CHECK_S / 10)
                 await self._flush(batches)
             if not self._reported and self.behind() <= CATCHUP_SLACK:
                 self.state = "catchup"
                 self._reported = True
                 await on_caught_up.send(self)
 
-    async def _flush(self, items: list[p.MutationBatch | p.SnapshotMarker]) -> None:
-        blob = bytearray()
-        offsets: list[int] = []
-        progress = list(self.progress)
-        ends = self._snapshot_end
-        for item in items:
-            vb = item.vbucket
-            if type(item) is p.SnapshotMarker:
-                ends[vb] = item.end
-                continue
-            assert type(item) is p.MutationBatch
-            for start, length in zip(item.starts, item.lengths, strict=True):
-                offsets.append(len(blob))
-                blob += item.payload[start : start + length]
-            progress[vb] = max(progress[vb], item.seqnos[-1])
-        if offsets:
-            write, result = self.writer.prepare(memoryview(blob), offsets)
-            write.put(progress_key(self.index), struct.pack(f">{len(progress)}Q", *progress))
-            await trio.to_thread.run_sync(write.write)
-            self.items += result.mutations
-            self.entries += result.entry_deltas[0]
+    async def _flush(self, items: list[QueuedBatch | p.SnapshotMarker]) -> None:
+        """Write the items (after maintenance's backlog is gone) and free their chunks."""
+        try:
+            while self.defer is not None and self.defer():
+                await trio.sleep(CHECK_S / 10)
+            chunks: list[int] = []
+            progress = list(self.progress)
+            ends = self._snapshot_end
+            for item in items:
+                vb = item.vbucket
+                if type(item) is p.SnapshotMarker:
+                    ends[vb] = item.end
+                    continue
+                assert type(item) is QueuedBatch
+                chunks.extend(item.chunks)
+                progress[vb] = max(progress[vb], item.last_seqno)
+            if chunks:
+                write, result = self.writer.prepare(self.share.pool.records, chunks)
+                write.put(progress_key(self.index), struct.pack(f">{len(progress)}Q", *progress))
+                await trio.to_thread.run_sync(write.write)
+                self.items += result.mutations
+                self.entries += result.entry_deltas[0]
+        finally:
+            self._free(items)  # written, or the build was stopped
         self.progress[:] = progress
         for vb, end in enumerate(ends):
             if progress[vb] >= end > self.covered[vb]:  # the snapshot's last item is written

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from indexer.build import IndexBuild
+from indexer.build import BuildShare, IndexBuild
 from indexer.protocol import ErrorCode, IndexDefinition
 from indexer.reader import Reader
 from indexer.storage import IndexStore, StoredIndex, StoreError
@@ -72,6 +72,7 @@ class IndexCatalog:
         self._lock = lock or trio.Lock()  # shared with the rollback: one change at a time
         self.builds = reader.builds  # name -> build, shared with the reader and the HTTP API
         self.cache_capacity = cache.capacity
+        self.build_share = BuildShare(workers[0].pool)
         self._caught_up, self._caught_up_receive = trio.open_memory_channel[IndexBuild](math.inf)
         self._build_scopes: dict[str, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
@@ -86,6 +87,7 @@ class IndexCatalog:
             owned,
             self.reader.registry,
             self.cache_capacity,
+            self.build_share,
             self._maintenance_backlog,
         )
         self.builds[build.name] = build
@@ -124,7 +126,9 @@ class IndexCatalog:
         scope = self._build_scopes.pop(name, None)
         if scope is not None:
             scope.cancel()
-        self.builds.pop(name, None)
+        build = self.builds.pop(name, None)
+        if build is not None:
+            build.release()  # its queued records leave the slab pool
         self.reader.close_builds(name, code, message)
 
     async def create(self, definition: IndexDefinition) -> StoredIndex:
@@ -203,6 +207,7 @@ class IndexCatalog:
             self.timekeeper.forget_recovery_points()
             build.state = "merged"
             del self.builds[name]
+            build.release()  # what it received past the merge, maintenance applies
 
         try:
             await self.change_pipeline(apply, complete_build)

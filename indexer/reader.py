@@ -405,7 +405,7 @@ class Reader:
                             i for i in accepted if type(i) in (p.MutationBatch, p.SnapshotMarker)
                         ]
                         if wanted:
-                            await build.send.send(wanted)  # type: ignore[arg-type]
+                            await build.accept(wanted)  # type: ignore[arg-type]
             # Credit goes back once frames are in the pipeline, in steps, not per frame.
             credit += unread - decoder.buffered
             handshake = conn.handshake

@@ -108,6 +108,7 @@ def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
     assert scan(daemon, "by_zip") == model(documents, ZIP)
     stats = httpx.get(f"{daemon.url}/stats").json()
     assert stats["builds"] == {}
+    assert stats["slab"]["chunks_in_use"] == 0  # the build's queued records were all freed
     assert "index by_zip built" in daemon.log()
     router.wait_log(r"build:by_zip: the build stream is done")
     assert router.stop() == 0
@@ -155,6 +156,7 @@ def test_a_build_resumes_after_the_daemon_is_killed_and_can_be_dropped(
     router.wait_log(r"build:by_name: the build stream is done")
     assert httpx.get(f"{daemon.url}/stats").json()["builds"] == {}
     wait_equal(daemon, documents)
+    assert httpx.get(f"{daemon.url}/stats").json()["slab"]["chunks_in_use"] == 0
 
     # The CLI waits for a build with a progress bar.
     cli = subprocess.run(
