@@ -514,12 +514,18 @@ class Reader:
         assert conn.handshake is not None
         owned = tuple(vb for vb, flag in enumerate(self.registry.owned) if flag)
         persisted = self.snapshots.persisted
+        # A running daemon has everything up to its readable snapshot in the store: a router
+        # that reconnects (an index created or merged, a dropped connection) resends from
+        # there, not from the persisted snapshot seconds behind. After a restart the two are
+        # the same; what a crash loses past the persisted one, the next restart asks again.
+        stable = self.snapshots.stable
+        resume = persisted if stable is None else stable.timestamp
         wanted = [vb for vb in conn.handshake.vbuckets if 0 <= vb < len(self.registry.owned)]
         reply = p.HandshakeReply(
             self.indexes,
             len(self.registry.owned),
             owned,
-            persisted.positions(wanted),
+            resume.positions(wanted),
             self.max_frame_bytes,
             {vb: persisted.seqnos[vb] for vb in sorted(rolled_back)},
             self.flow_control_bytes if conn.handshake.flow_control else 0,

@@ -72,12 +72,16 @@ MAX_DEFER_S = 0.25
 """Longest a build stream waits in one go: a router that cannot keep up with its input would
 otherwise starve the build for as long as the input lasts."""
 
+BUILD_TURN_S = 0.05
+"""How long a build that waited `MAX_DEFER_S` then goes on regardless: at least a sixth of a
+saturated router's time goes to builds, so they finish under any feed."""
+
 
 class MaintenanceFirst:
     """`defer` for a node's build streams: true while the router has input waiting to be
     appended, or the node's maintenance stream has mutations in memory still to send, so an
-    initial build never holds back keeping the indexes current; false once in every
-    `MAX_DEFER_S` of waiting, so the build still moves."""
+    initial build never holds back keeping the indexes current; but after `MAX_DEFER_S` of
+    waiting the build gets a turn of `BUILD_TURN_S`, so it still moves."""
 
     def __init__(
         self, mm: MutationManager, consumer: str, input_waiting: Callable[[], bool]
@@ -87,17 +91,19 @@ class MaintenanceFirst:
         self.input_waiting = input_waiting
         self.vbuckets: list[int] = []  # the node's, set when its maintenance stream connects
         self._waiting_since: float | None = None
+        self._turn_until = -math.inf
 
     def __call__(self) -> bool:
-        if not self._maintenance_busy():
+        now = trio.current_time()
+        if now < self._turn_until or not self._maintenance_busy():
             self._waiting_since = None
             return False
-        now = trio.current_time()
         if self._waiting_since is None:
             self._waiting_since = now
         elif now - self._waiting_since >= MAX_DEFER_S:
             self._waiting_since = None
-            return False  # one turn for the build
+            self._turn_until = now + BUILD_TURN_S
+            return False
         return True
 
     def _maintenance_busy(self) -> bool:
