@@ -6,17 +6,34 @@ Every error ends the command with a non-zero exit and one line on stderr saying 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import os
+import ssl
 import sys
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 import trio
 
-from indexer.config import Config, ConfigError, load_config
+from indexer.config import (
+    TOKEN_ENV,
+    Config,
+    ConfigError,
+    check_index_name,
+    check_path,
+    check_token,
+    client_ssl_context,
+    load_config,
+    read_token_file,
+)
+
+if TYPE_CHECKING:
+    from indexer.router.feed import FeedSecurity
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -33,6 +50,85 @@ def _config(config_file: Path | None, **overrides: Any) -> Config:
     if server:
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, **server))
     return config
+
+
+def _data_dir(value: Path | None, option: str = "--data-dir") -> Path | None:
+    """A data directory given on the command line, refused (exit 2) if it has `..` steps."""
+    if value is None:
+        return None
+    try:
+        return check_path(value, option)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+
+
+def _index_name(name: str) -> str:
+    """An index name given on the command line, refused (exit 2) unless it is one."""
+    problem = check_index_name(name)
+    if problem is not None:
+        fail(problem, 2)
+    return name
+
+
+def _token(token: str | None, token_file: Path | None, fallback: str | None = None) -> str | None:
+    """The shared token to present: --token-file, else --token, else $INDEXER_TOKEN, else
+    `fallback` (a configuration's); None if none. Exit 2 when it is malformed."""
+    if token is not None and token_file is not None:
+        fail("give --token or --token-file, not both", 2)
+    try:
+        if token_file is not None:
+            return read_token_file(token_file, "--token-file")
+        if token is not None:
+            return check_token(token.strip(), "--token")
+        from_env = os.environ.get(TOKEN_ENV)
+        if from_env:
+            return check_token(from_env.strip(), TOKEN_ENV)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+    return fallback
+
+
+def _tls_context(tls: bool, tls_ca: Path | None) -> ssl.SSLContext | None:
+    """The client TLS context of --tls / --tls-ca (None: plain); exit 2 if the CA is bad."""
+    if not tls and tls_ca is None:
+        return None
+    try:
+        return client_ssl_context(tls_ca, "--tls-ca")
+    except ConfigError as exc:
+        fail(str(exc), 2)
+
+
+def _feed_security(
+    token: str | None, token_file: Path | None, tls: bool, tls_ca: Path | None
+) -> FeedSecurity:
+    """What `feed` and `router` present to the daemon (token) and check it with (TLS)."""
+    from indexer.router.feed import FeedSecurity
+
+    return FeedSecurity(_token(token, token_file) or "", _tls_context(tls, tls_ca))
+
+
+TOKEN_HELP = (
+    "The indexer's shared token (default: $INDEXER_TOKEN). On the command line it shows in the "
+    "process list: prefer --token-file or the variable."
+)
+TOKEN_OPTION = click.option("--token", help=TOKEN_HELP)
+TOKEN_FILE_OPTION = click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A file holding the indexer's shared token (its first line).",
+)
+TLS_CA_OPTION = click.option(
+    "--tls-ca",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A PEM file of CA certificates to check the indexer's TLS certificate with (for a "
+    "self-signed certificate, the certificate itself).",
+)
+TLS_OPTION = click.option(
+    "--tls",
+    is_flag=True,
+    help="Connect to the feed port with TLS, checking its certificate with the system's CAs "
+    "(or --tls-ca, which implies --tls).",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,6 +161,7 @@ def serve(
     from indexer.storage import StoreError
 
     slice_of: dict[str, Any] = {}
+    data_dir = _data_dir(data_dir)
     if (cluster_map is None) != (node is None):
         fail("--cluster-map and --node go together", 2)
     if cluster_map is not None and node is not None:
@@ -156,6 +253,10 @@ APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteB
     metavar="S",
     help="Where --failover starts the new history (default: the high seqno, losing nothing).",
 )
+@TOKEN_OPTION
+@TOKEN_FILE_OPTION
+@TLS_OPTION
+@TLS_CA_OPTION
 def feed(
     address: str | None,
     jsonl: Path | None,
@@ -168,6 +269,10 @@ def feed(
     state: Path | None,
     failover: int | None,
     failover_seqno: int | None,
+    token: str | None,
+    token_file: Path | None,
+    tls: bool,
+    tls_ca: Path | None,
 ) -> None:
     """Push documents to an indexer through a router feed.
 
@@ -208,11 +313,12 @@ def feed(
         workload = Workload(generate, keys or 0, delete_ratio, seed)
         documents = lambda: generate_documents(workload)  # noqa: E731
         total = generate
+    security = _feed_security(token, token_file, tls, tls_ca)
     if state is None:
         assert documents is not None and target is not None
-        _feed_input(target, documents, total, wait, vbuckets or 1024)
+        _feed_input(target, documents, total, wait, vbuckets or 1024, security)
     else:
-        _feed_state(state, target, documents, wait, vbuckets, failover, failover_seqno)
+        _feed_state(state, target, documents, wait, vbuckets, failover, failover_seqno, security)
 
 
 def _progress_bar(total: int | None, label: str) -> Any:
@@ -262,24 +368,27 @@ def _feed_input(
     total: int | None,
     wait: str,
     vbuckets: int,
+    security: FeedSecurity,
 ) -> None:
     """The feed without state: number the input's documents and stream them."""
     from indexer.router import feed as run_feed
+    from indexer.router.feed import feed_security
 
     host, port = target
     with _progress_bar(total, "feeding") as bar:
 
         async def run() -> Any:
-            return await run_feed(
-                host,
-                port,
-                documents,
-                wait_persisted=wait == "persisted",
-                wait_visible=wait == "visible",
-                progress=bar.update,
-                num_vbuckets=vbuckets,
-                on_rollback=_rolled_back,
-            )
+            with feed_security(security):
+                return await run_feed(
+                    host,
+                    port,
+                    documents,
+                    wait_persisted=wait == "persisted",
+                    wait_visible=wait == "visible",
+                    progress=bar.update,
+                    num_vbuckets=vbuckets,
+                    on_rollback=_rolled_back,
+                )
 
         result = _run_feed(run)
     _report(result)
@@ -293,12 +402,14 @@ def _feed_state(
     vbuckets: int | None,
     failover: int | None,
     failover_seqno: int | None,
+    security: FeedSecurity,
 ) -> None:
     """The feed with a source log in `state`: fail over, append, stream (each if asked)."""
     from itertools import islice
 
     from indexer.router import SourceError, SourceLog, feed_log
     from indexer.router.documents import DocumentError
+    from indexer.router.feed import feed_security
 
     try:  # only a command that adds documents creates the log
         log = SourceLog(state, vbuckets, create=documents is not None)
@@ -330,14 +441,15 @@ def _feed_state(
         host, port = target
 
         async def run() -> Any:
-            return await feed_log(
-                host,
-                port,
-                log,
-                wait_persisted=wait == "persisted",
-                wait_visible=wait == "visible",
-                on_rollback=_rolled_back,
-            )
+            with feed_security(security):
+                return await feed_log(
+                    host,
+                    port,
+                    log,
+                    wait_persisted=wait == "persisted",
+                    wait_visible=wait == "visible",
+                    on_rollback=_rolled_back,
+                )
 
         result = _run_feed(run)
     _report(result)
@@ -384,6 +496,10 @@ def _feed_state(
     show_default=True,
     help="Cap of recent mutations kept in memory; nodes further behind read the source log.",
 )
+@TOKEN_OPTION
+@TOKEN_FILE_OPTION
+@TLS_OPTION
+@TLS_CA_OPTION
 def router(
     state: Path,
     targets: tuple[str, ...],
@@ -398,6 +514,10 @@ def router(
     rate: float | None,
     memory_mb: float,
     cluster_map: Path | None,
+    token: str | None,
+    token_file: Path | None,
+    tls: bool,
+    tls_ca: Path | None,
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
     stream it to every --to node, then each new document as it comes."""
@@ -447,6 +567,7 @@ def router(
         generate=workload,
         rate=rate,
         cluster_map=cluster_map,
+        security=_feed_security(token, token_file, tls, tls_ca),
     )
     try:
         log = SourceLog(state, vbuckets)
@@ -482,7 +603,8 @@ def dump(name: str, data_dir: Path | None, config_file: Path | None) -> None:
     from indexer.keys import KeyEncodingError
     from indexer.storage import StoreError, StoreLockedError
 
-    config = _config(config_file, data_dir=data_dir)
+    _index_name(name)
+    config = _config(config_file, data_dir=_data_dir(data_dir))
     try:
         out = sys.stdout
         for line in dump_lines(config.server.data_dir, name):
@@ -495,11 +617,57 @@ def dump(name: str, data_dir: Path | None, config_file: Path | None) -> None:
         sys.stderr.close()
 
 
-def _http_url(url: str | None, config_file: Path | None) -> str:
+@dataclass(frozen=True)
+class Api:
+    """Where and how the CLI calls the daemon's HTTP API: the base URL, the bearer token (kept
+    out of reprs) and how its TLS certificate is checked."""
+
+    base: str
+    token: str | None = field(default=None, repr=False)
+    verify: ssl.SSLContext | bool = True
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The Authorization header of the token, if any."""
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+
+def _api(
+    url: str | None,
+    config_file: Path | None,
+    token: str | None = None,
+    token_file: Path | None = None,
+    tls_ca: Path | None = None,
+) -> Api:
+    """The API of --url, else the configured address (https when the configuration has TLS),
+    with the token and certificate check of `_client_security`."""
+    config = _config(config_file) if url is None or config_file is not None else None
     if url:
-        return url.rstrip("/")
-    server = _config(config_file).server
-    return f"http://{server.host}:{server.http_port}"
+        base = url.rstrip("/")
+    else:
+        assert config is not None
+        scheme = "https" if config.security.tls else "http"
+        base = f"{scheme}://{config.server.host}:{config.server.http_port}"
+    bearer, context = _client_security(config, token, token_file, tls_ca)
+    return Api(base, bearer, context if context is not None else True)
+
+
+def _client_security(
+    config: Config | None, token: str | None, token_file: Path | None, tls_ca: Path | None
+) -> tuple[str | None, ssl.SSLContext | None]:
+    """The token to present (the options, $INDEXER_TOKEN or the configuration's) and the TLS
+    context to check the daemon with (--tls-ca, or the configuration's when it has TLS)."""
+    security = config.security if config is not None else None
+    context = None
+    if tls_ca is not None:
+        context = _tls_context(True, tls_ca)
+    elif security is not None and security.tls:
+        try:
+            context = security.client_ssl_context()
+        except ConfigError as exc:
+            fail(str(exc), 2)
+    fallback = security.token if security is not None else None
+    return _token(token, token_file, fallback), context
 
 
 def _http_error(response: Any) -> NoReturn:
@@ -510,13 +678,15 @@ def _http_error(response: Any) -> NoReturn:
     fail(f"HTTP {response.status_code}: {message}")
 
 
-def _get_json(url: str, path: str, **params: Any) -> Any:
+def _get_json(api: Api, path: str, **params: Any) -> Any:
     import httpx
 
     try:
-        response = httpx.get(url + path, params=params, timeout=30)
+        response = httpx.get(
+            api.base + path, params=params, timeout=30, headers=api.headers, verify=api.verify
+        )
     except httpx.HTTPError as exc:
-        fail(f"cannot reach the daemon at {url}: {exc}")
+        fail(f"cannot reach the daemon at {api.base}: {exc}")
     if response.status_code != 200:
         _http_error(response)
     return response.json()
@@ -524,46 +694,93 @@ def _get_json(url: str, path: str, **params: Any) -> Any:
 
 URL_OPTION = click.option("--url", help="The daemon's HTTP API (default: the configured address).")
 CONFIG_OPTION = click.option(
-    "--config", "config_file", type=click.Path(path_type=Path), help="TOML file."
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path),
+    help="TOML file (its address, token and tls_ca are used unless given otherwise).",
 )
 
 
+@dataclass(frozen=True)
+class ApiOptions:
+    """How to reach the HTTP API as the command line says: --url, --config, --token,
+    --token-file and --tls-ca (see `api_options`)."""
+
+    url: str | None
+    config_file: Path | None
+    token: str | None = field(repr=False)
+    token_file: Path | None
+    tls_ca: Path | None
+
+    def connect(self) -> Api:
+        return _api(self.url, self.config_file, self.token, self.token_file, self.tls_ca)
+
+
+def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the options of `ApiOptions` to a command, which gets them as one `daemon` argument."""
+
+    @functools.wraps(command)
+    def with_api(
+        *args: Any,
+        url: str | None,
+        config_file: Path | None,
+        token: str | None,
+        token_file: Path | None,
+        tls_ca: Path | None,
+        **kwargs: Any,
+    ) -> Any:
+        daemon = ApiOptions(url, config_file, token, token_file, tls_ca)
+        return command(*args, daemon=daemon, **kwargs)
+
+    wrapped: Callable[..., Any] = with_api
+    for option in (TLS_CA_OPTION, TOKEN_FILE_OPTION, TOKEN_OPTION, CONFIG_OPTION, URL_OPTION):
+        wrapped = option(wrapped)
+    return wrapped
+
+
 @main.command()
-@URL_OPTION
-@CONFIG_OPTION
-def stats(url: str | None, config_file: Path | None) -> None:
+@api_options
+def stats(
+    daemon: ApiOptions,
+) -> None:
     """Print the daemon's statistics (GET /stats) as JSON."""
     import json
 
-    click.echo(json.dumps(_get_json(_http_url(url, config_file), "/stats"), indent=2))
+    api = daemon.connect()
+    click.echo(json.dumps(_get_json(api, "/stats"), indent=2))
 
 
 @main.command()
-@URL_OPTION
-@CONFIG_OPTION
+@api_options
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Compact this data directory in-process instead (no daemon may hold it).",
 )
-def compact(url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
+def compact(
+    daemon: ApiOptions,
+    data_dir: Path | None,
+) -> None:
     """Compact the store of a running daemon (POST /compact), or of a data directory no daemon
     holds; prints the bytes on disk before and after as JSON."""
     import json
 
+    data_dir = _data_dir(data_dir)
     if data_dir is None:
         import httpx
 
-        base = _http_url(url, config_file)
+        api = daemon.connect()
         try:
-            response = httpx.post(f"{base}/compact", timeout=None)
+            response = httpx.post(
+                f"{api.base}/compact", timeout=None, headers=api.headers, verify=api.verify
+            )
         except httpx.HTTPError as exc:
-            fail(f"cannot reach the daemon at {base}: {exc}")
+            fail(f"cannot reach the daemon at {api.base}: {exc}")
         if response.status_code != 200:
             _http_error(response)
         click.echo(json.dumps(response.json()))
         return
-    if url is not None:
+    if daemon.url is not None:
         fail("give --url or --data-dir, not both", 2)
     from indexer.compaction import compact_store
     from indexer.storage import IndexStore, StoreError, StoreLockedError
@@ -579,11 +796,13 @@ def compact(url: str | None, config_file: Path | None, data_dir: Path | None) ->
 
 
 @main.command("list-indexes")
-@URL_OPTION
-@CONFIG_OPTION
-def list_indexes(url: str | None, config_file: Path | None) -> None:
+@api_options
+def list_indexes(
+    daemon: ApiOptions,
+) -> None:
     """List the indexes with their keys, state, entry counts and conditions."""
-    for index in _get_json(_http_url(url, config_file), "/indexes")["indexes"]:
+    api = daemon.connect()
+    for index in _get_json(api, "/indexes")["indexes"]:
         state = index["state"]
         if "build" in index:
             state += f" {index['build']['percent']:g}%"
@@ -593,8 +812,7 @@ def list_indexes(url: str | None, config_file: Path | None) -> None:
 
 @main.command()
 @click.argument("name")
-@URL_OPTION
-@CONFIG_OPTION
+@api_options
 @click.option("--eq", help="JSON: the key (or a prefix of it, as a list) to match.")
 @click.option("--low", help="JSON: the lower bound (a value or a list prefix).")
 @click.option("--high", help="JSON: the upper bound.")
@@ -622,8 +840,7 @@ def list_indexes(url: str | None, config_file: Path | None) -> None:
 )
 def scan(
     name: str,
-    url: str | None,
-    config_file: Path | None,
+    daemon: ApiOptions,
     eq: str | None,
     low: str | None,
     high: str | None,
@@ -640,6 +857,7 @@ def scan(
 
     import httpx
 
+    _index_name(name)
     if eq is not None and (low is not None or high is not None):
         fail("give --eq or --low/--high, not both", 2)
     params: dict[str, Any] = {
@@ -666,14 +884,23 @@ def scan(
     if limit is not None:
         params["limit"] = limit
     if cluster_map is not None:
-        if url is not None:
+        if daemon.url is not None:
             fail("give --url or --cluster-map, not both", 2)
-        _scan_cluster(cluster_map, name, params, timeout + 30)
+        # The nodes' addresses come from the map; a configuration gives its token and TLS.
+        config = _config(daemon.config_file) if daemon.config_file is not None else None
+        bearer, context = _client_security(config, daemon.token, daemon.token_file, daemon.tls_ca)
+        _scan_cluster(cluster_map, name, params, timeout + 30, bearer, context)
         return
-    base = _http_url(url, config_file)
+    api = daemon.connect()
+    base = api.base
     try:
         with httpx.stream(
-            "GET", f"{base}/indexes/{name}/scan", params=params, timeout=timeout + 30
+            "GET",
+            f"{base}/indexes/{name}/scan",
+            params=params,
+            timeout=timeout + 30,
+            headers=api.headers,
+            verify=api.verify,
         ) as response:
             if response.status_code != 200:
                 response.read()
@@ -688,7 +915,14 @@ def scan(
         sys.stderr.close()
 
 
-def _scan_cluster(path: Path, name: str, params: dict[str, Any], timeout: float) -> None:
+def _scan_cluster(
+    path: Path,
+    name: str,
+    params: dict[str, Any],
+    timeout: float,
+    token: str | None,
+    ssl_context: ssl.SSLContext | None,
+) -> None:
     import json
 
     from indexer.cluster import ClusterMapError, ClusterScanError, load_cluster_map, scan_cluster
@@ -698,7 +932,9 @@ def _scan_cluster(path: Path, name: str, params: dict[str, Any], timeout: float)
     except ClusterMapError as exc:
         fail(str(exc), 2)
     try:
-        with scan_cluster(cluster, name, params, timeout) as rows:
+        with scan_cluster(
+            cluster, name, params, timeout, token=token, ssl_context=ssl_context
+        ) as rows:
             out = sys.stdout
             for row in rows:
                 out.write(json.dumps(row, ensure_ascii=False, separators=(", ", ": ")) + "\n")
@@ -724,27 +960,29 @@ def _scan_cluster(path: Path, name: str, params: dict[str, Any], timeout: float)
     show_default=True,
     help="Seconds --wait waits at most.",
 )
-@URL_OPTION
-@CONFIG_OPTION
+@api_options
 def create_index(
     name: str,
     keys: str,
     where: str | None,
     wait: bool,
     timeout: float,
-    url: str | None,
-    config_file: Path | None,
+    daemon: ApiOptions,
 ) -> None:
     """Create index NAME on a running daemon. Over data already streamed it is built first
     (state building, then catchup) and becomes active once caught up."""
     import httpx
 
-    base = _http_url(url, config_file)
+    _index_name(name)
+    api = daemon.connect()
+    base = api.base
     body: dict[str, Any] = {"name": name, "keys": [k.strip() for k in keys.split(",") if k.strip()]}
     if where is not None:
         body["where"] = where
     try:
-        response = httpx.post(f"{base}/indexes", json=body, timeout=120)
+        response = httpx.post(
+            f"{base}/indexes", json=body, timeout=120, headers=api.headers, verify=api.verify
+        )
     except httpx.HTTPError as exc:
         fail(f"cannot reach the daemon at {base}: {exc}")
     if response.status_code != 201:
@@ -755,10 +993,10 @@ def create_index(
         f"created {created['name']}({', '.join(created['keys'])}){condition}: {created['state']}"
     )
     if wait and created["state"] != "active":
-        _wait_built(base, name, timeout)
+        _wait_built(api, name, timeout)
 
 
-def _wait_built(base: str, name: str, timeout: float) -> None:
+def _wait_built(api: Api, name: str, timeout: float) -> None:
     """Poll the index's state, showing its build progress, until it is active."""
     import time
 
@@ -766,7 +1004,7 @@ def _wait_built(base: str, name: str, timeout: float) -> None:
     shown = 0
     with click.progressbar(length=100, label=f"building {name}", file=sys.stderr) as bar:
         while True:
-            indexes = {i["name"]: i for i in _get_json(base, "/indexes")["indexes"]}
+            indexes = {i["name"]: i for i in _get_json(api, "/indexes")["indexes"]}
             entry = indexes.get(name)
             if entry is None:
                 fail(f"index {name} is gone (dropped during its build?)")
@@ -785,15 +1023,21 @@ def _wait_built(base: str, name: str, timeout: float) -> None:
 
 @main.command("drop-index")
 @click.argument("name")
-@URL_OPTION
-@CONFIG_OPTION
-def drop_index(name: str, url: str | None, config_file: Path | None) -> None:
+@api_options
+def drop_index(
+    name: str,
+    daemon: ApiOptions,
+) -> None:
     """Drop index NAME on a running daemon and delete its entries."""
     import httpx
 
-    base = _http_url(url, config_file)
+    _index_name(name)
+    api = daemon.connect()
+    base = api.base
     try:
-        response = httpx.delete(f"{base}/indexes/{name}", timeout=600)
+        response = httpx.delete(
+            f"{base}/indexes/{name}", timeout=600, headers=api.headers, verify=api.verify
+        )
     except httpx.HTTPError as exc:
         fail(f"cannot reach the daemon at {base}: {exc}")
     if response.status_code != 204:

@@ -16,6 +16,8 @@ Every vbucket belongs to exactly one node. `indexer serve --cluster-map F --node
 slice and ports from it, `indexer router --cluster-map F` streams to every node (each gets only
 its vbuckets), and `indexer scan --cluster-map F` fans a scan out to every node and merges the
 rows in index order (`merge_rows`): a document lives in one vbucket, so in one node's slice.
+With a shared token and TLS (docs/security.md) the scan sends the token to every node and
+speaks HTTPS to each.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import heapq
 import json
 import re
+import ssl
 import tomllib
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -56,6 +59,10 @@ class ClusterNode:
     @property
     def url(self) -> str:
         return f"http://{self.http[0]}:{self.http[1]}"
+
+    def base_url(self, tls: bool = False) -> str:
+        """The node's HTTP API, over HTTPS when `tls`."""
+        return f"{'https' if tls else 'http'}://{self.http[0]}:{self.http[1]}"
 
 
 @dataclass(frozen=True)
@@ -213,23 +220,37 @@ class ClusterScanError(Exception):
 
 @contextmanager
 def scan_cluster(
-    cluster: ClusterMap, index: str, params: dict[str, Any], timeout: float
+    cluster: ClusterMap,
+    index: str,
+    params: dict[str, Any],
+    timeout: float,
+    *,
+    token: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Iterator[Iterator[dict[str, Any]]]:
     """Every node's scan of `index` with the same parameters, merged in index order.
 
     All nodes are asked at once and read as the merge needs them (each node streams its rows in
     order, so the merge holds one row per node). `limit` is applied to the merged rows too.
+    `token` goes to every node as a bearer token; with `ssl_context` the nodes are asked over
+    HTTPS and their certificates checked with it.
     """
     import httpx
 
-    with httpx.Client(timeout=timeout) as client, ExitStack() as stack:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+    with (
+        httpx.Client(timeout=timeout, headers=headers, verify=verify) as client,
+        ExitStack() as stack,
+    ):
         streams = []
         for node in cluster.nodes:
-            url = f"{node.url}/indexes/{index}/scan"
+            base = node.base_url(ssl_context is not None)
+            url = f"{base}/indexes/{index}/scan"
             try:
                 response = stack.enter_context(client.stream("GET", url, params=params))
             except httpx.HTTPError as exc:
-                raise ClusterScanError(f"node {node.name} ({node.url}): {exc}") from None
+                raise ClusterScanError(f"node {node.name} ({base}): {exc}") from None
             if response.status_code != 200:
                 response.read()
                 try:
@@ -237,7 +258,7 @@ def scan_cluster(
                 except (ValueError, KeyError, TypeError):
                     message = response.text.strip()[:200]
                 raise ClusterScanError(
-                    f"node {node.name} ({node.url}): HTTP {response.status_code}: {message}"
+                    f"node {node.name} ({base}): HTTP {response.status_code}: {message}"
                 )
             streams.append(ndjson_rows(response.iter_lines()))
         rows = merge_rows(streams)

@@ -6,17 +6,19 @@ with a message naming the key, which the CLI prints as one line before exiting n
 
 from __future__ import annotations
 
+import os
 import re
+import ssl
 import tomllib
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
 from typing import Any
 
 import psutil
 
 from config import default_config_text
 from indexer.cluster import ClusterMapError, parse_vbuckets
-from indexer.protocol import IndexDefinition
+from indexer.protocol import MAX_TOKEN_CHARS, IndexDefinition
 from indexer.where import WhereError, normalize_where
 from slab import parse_size
 
@@ -25,6 +27,9 @@ FIELD_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 MAX_INDEXES = 64
 MAX_KEYS = 16
 LOG_LEVELS = ("debug", "info", "warning", "error")
+MIN_TOKEN_CHARS = 16
+TOKEN_CHARS = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII: fits a header and a JSON string
+TOKEN_ENV = "INDEXER_TOKEN"  # the variable clients (router, feed, CLI) read a token from
 
 
 class ConfigError(ValueError):
@@ -84,6 +89,55 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Who may feed and call the API (a shared token) and whether both ports speak TLS.
+
+    The token is kept out of reprs so that no log line or traceback shows it.
+    """
+
+    token: str | None = field(default=None, repr=False)  # None: no authentication
+    token_source: str = ""  # the key it came from, for the start-up log
+    scan_token_required: bool = False  # reads (scans, stats, ...) need the token too
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None  # what clients reading this configuration trust
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def server_ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS context both ports serve with (None without TLS); ConfigError if the
+        certificate or key cannot be loaded."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"security.tls_cert: cannot load {self.tls_cert} with key {self.tls_key}: "
+                f"{getattr(exc, 'strerror', None) or exc}"
+            ) from None
+        return context
+
+    def client_ssl_context(self) -> ssl.SSLContext | None:
+        """How a client reading this configuration checks the daemon (None without TLS)."""
+        return client_ssl_context(self.tls_ca) if self.tls else None
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Bounds on what one peer can make the daemon hold: connections, scans, rows."""
+
+    max_feed_connections: int = 256
+    handshake_timeout_s: float = 10.0
+    max_concurrent_scans: int = 64
+    max_scan_rows: int = 0  # 0: no limit
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     pipeline: PipelineConfig
@@ -92,6 +146,77 @@ class Config:
     memory: MemoryConfig
     indexes: tuple[IndexDefinition, ...]
     compaction: CompactionConfig = CompactionConfig(3600.0)
+    security: SecurityConfig = SecurityConfig()
+    limits: LimitsConfig = LimitsConfig()
+
+
+def check_index_name(name: str) -> str | None:
+    """Why `name` cannot name an index (None if it can): a letter, then up to 63 letters,
+    digits or _, so it never reads as a path or a route."""
+    if INDEX_NAME.match(name):
+        return None
+    shown = name if len(name) <= 80 else name[:80] + "..."
+    return f"index name {shown!r}: a letter, then up to 63 letters, digits or _"
+
+
+def check_path(value: str | PurePath, key: str) -> Path:
+    """A file or directory path as given, refused (ConfigError naming `key`) when empty, when it
+    holds a NUL byte or when a `..` component would lead out of where it points."""
+    text = str(value)
+    if not text:
+        raise ConfigError(f"{key}: must be a non-empty path")
+    if "\x00" in text:
+        raise ConfigError(f"{key}: a path may not contain a NUL byte")
+    if ".." in PurePath(text).parts:
+        raise ConfigError(
+            f"{key}: {text!r} contains '..': give the path without parent steps "
+            "(an absolute path, or one below the working directory)"
+        )
+    return Path(text)
+
+
+def check_token(token: str, key: str) -> str:
+    """A shared token as the daemon and its clients accept it (ConfigError naming `key`); the
+    message never shows the token."""
+    if not MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS:
+        raise ConfigError(
+            f"{key}: a token has {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} characters, not "
+            f"{len(token)} (make one with: python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))')"
+        )
+    if not TOKEN_CHARS.match(token):
+        raise ConfigError(f"{key}: a token is visible ASCII characters (no spaces)")
+    return token
+
+
+def read_token_file(path: str | PurePath, key: str) -> str:
+    """The token in a file: its first line, surrounding whitespace stripped."""
+    where = check_path(path, key)
+    try:
+        text = where.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(f"{key}: cannot read {where}: {why}") from None
+    lines = text.strip().splitlines()
+    return check_token(lines[0].strip() if lines else "", f"{key} ({where})")
+
+
+def client_ssl_context(
+    ca_file: str | PurePath | None, key: str = "security.tls_ca"
+) -> ssl.SSLContext:
+    """A client's TLS context: the daemon's certificate must chain to `ca_file` (PEM; for a
+    self-signed certificate, the certificate itself), or to the system's CAs when None.
+    Errors name `key`, where the file was given."""
+    context = ssl.create_default_context()
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if ca_file is not None:
+        where = check_path(ca_file, key)
+        try:
+            context.load_verify_locations(cafile=where)
+        except (ssl.SSLError, OSError) as exc:
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigError(f"{key}: cannot load {where}: {why}") from None
+    return context
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any], where: str = "") -> dict[str, Any]:
@@ -139,6 +264,13 @@ class _Section:
         value = self.table[key]
         if not isinstance(value, str) or not value:
             raise self.fail(key, f"must be a non-empty string, not {value!r}")
+        return value
+
+    def optional_text(self, key: str) -> str:
+        """A string that may be empty ("" = not set); never shown in the error (a secret)."""
+        value = self.table[key]
+        if not isinstance(value, str):
+            raise self.fail(key, f"must be a string, not {type(value).__name__}")
         return value
 
     def size(self, key: str, total: int) -> int:
@@ -213,7 +345,7 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
     if log_level not in LOG_LEVELS:
         raise s.fail("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     server = ServerConfig(
-        data_dir=Path(s.text("data_dir")),
+        data_dir=check_path(s.text("data_dir"), "server.data_dir"),
         host=s.text("host"),
         feed_port=s.integer("feed_port", 0, 65535),
         http_port=s.integer("http_port", 0, 65535),
@@ -264,7 +396,57 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
     c = _Section(raw["compaction"], "compaction")
     compaction = CompactionConfig(interval_s=c.integer("interval_minutes", 0, 525_600) * 60.0)
     indexes = _indexes(raw.get("indexes", {}))
-    return Config(server, pipeline, snapshots, slab, memory, indexes, compaction)
+    security = _security(_Section(raw["security"], "security"))
+    lim = _Section(raw["limits"], "limits")
+    limits = LimitsConfig(
+        max_feed_connections=lim.integer("max_feed_connections", 1, 65_536),
+        handshake_timeout_s=lim.integer("handshake_timeout_ms", 100, 3_600_000) / 1000,
+        max_concurrent_scans=lim.integer("max_concurrent_scans", 1, 100_000),
+        max_scan_rows=lim.integer("max_scan_rows", 0, 1 << 62),
+    )
+    return Config(server, pipeline, snapshots, slab, memory, indexes, compaction, security, limits)
+
+
+def _security(s: _Section) -> SecurityConfig:
+    """The [security] table: at most one token source, TLS certificate and key together."""
+    sources = [k for k in ("token", "token_file", "token_env") if s.optional_text(k)]
+    if len(sources) > 1:
+        raise s.fail(sources[1], f"give one of token, token_file and token_env, not {sources}")
+    token = None
+    source = sources[0] if sources else ""
+    if source == "token":
+        token = check_token(s.table["token"], "security.token")
+    elif source == "token_file":
+        token = read_token_file(s.table["token_file"], "security.token_file")
+    elif source == "token_env":
+        name = s.table["token_env"]
+        value = os.environ.get(name)
+        if value is None:
+            raise s.fail("token_env", f"the environment variable {name} is not set")
+        token = check_token(value.strip(), f"security.token_env ({name})")
+    required = s.table["scan_token_required"]
+    if not isinstance(required, bool):
+        raise s.fail("scan_token_required", f"must be true or false, not {required!r}")
+    if required and token is None:
+        raise s.fail("scan_token_required", "needs a token (token, token_file or token_env)")
+    paths = {}
+    for key in ("tls_cert", "tls_key", "tls_ca"):
+        text = s.optional_text(key)
+        paths[key] = check_path(text, f"security.{key}") if text else None
+    if (paths["tls_cert"] is None) != (paths["tls_key"] is None):
+        raise s.fail("tls_key", "tls_cert and tls_key go together (both or neither)")
+    security = SecurityConfig(
+        token,
+        f"security.{source}" if source else "",
+        required,
+        paths["tls_cert"],
+        paths["tls_key"],
+        paths["tls_ca"],
+    )
+    security.server_ssl_context()  # a certificate that does not load stops start-up here
+    if paths["tls_ca"] is not None:
+        client_ssl_context(paths["tls_ca"])
+    return security
 
 
 def load_config(path: Path | None) -> Config:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import ipaddress
 import logging
 import signal
 import time
@@ -173,6 +174,9 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             to_dispatch,
             server.max_frame_bytes,
             server.flow_control_bytes,
+            token=config.security.token,
+            max_connections=config.limits.max_feed_connections,
+            handshake_timeout_s=config.limits.handshake_timeout_s,
         )
         pipeline_lock = trio.Lock()  # index changes and rollbacks, one at a time
         catalog = IndexCatalog(
@@ -219,7 +223,8 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
                 services.start_soon(throttle.run)
                 assert view.compactor is not None
                 services.start_soon(view.compactor.run)
-                http_port = await services.start(_serve_http, config, HttpApi(view))
+                api = HttpApi(view, config.security, config.limits)
+                http_port = await services.start(_serve_http, config, api)
                 services.start_soon(catalog.run)
                 if server.cluster_map is not None and server.cluster_node is not None:
                     watch = SliceWatch(server.cluster_map, server.cluster_node, catalog, cache)
@@ -262,6 +267,12 @@ async def _serve_http(
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger("indexer.http")
     hyper.graceful_timeout = 1.0
+    security = config.security
+    if security.tls_cert is not None and security.tls_key is not None:
+        # hypercorn wraps each connection in a trio.SSLStream (its trio.SSLListener).
+        hyper.certfile = str(security.tls_cert)
+        hyper.keyfile = str(security.tls_key)
+        hyper.ssl_handshake_timeout = config.limits.handshake_timeout_s
 
     async def started(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(api, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
@@ -270,6 +281,32 @@ async def _serve_http(
         binds = await nursery.start(started)
         port = int(binds[0].rsplit(":", 1)[1]) if binds else server.http_port
         task_status.started(port)
+
+
+def _log_security(config: Config) -> None:
+    """Say at start-up what protects the ports (never the token itself)."""
+    security = config.security
+    if security.token is None:
+        auth = "off: anyone who reaches the ports may feed and change indexes"
+    elif security.scan_token_required:
+        auth = f"token from {security.token_source} required for feeds and every HTTP call"
+    else:
+        auth = f"token from {security.token_source} required for feeds and HTTP changes"
+    tls = f"TLS with {security.tls_cert}" if security.tls else "no TLS"
+    log.info("authentication %s; %s", auth, tls)
+    if security.token is None and not _loopback(config.server.host):
+        log.warning(
+            "listening on %s without a token: set [security] token_file (docs/security.md)",
+            config.server.host,
+        )
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost
+        return False
 
 
 async def _intake(
@@ -281,16 +318,34 @@ async def _intake(
 ) -> None:
     """Accept router connections until a signal arrives."""
     server = config.server
+    ssl_context = config.security.server_ssl_context()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(
-                lambda task_status: trio.serve_tcp(
-                    reader.handle, server.feed_port, host=server.host, task_status=task_status
+            if ssl_context is None:
+                listeners = await nursery.start(
+                    lambda task_status: trio.serve_tcp(
+                        reader.handle, server.feed_port, host=server.host, task_status=task_status
+                    )
                 )
-            )
-            port = listeners[0].socket.getsockname()[1]
+                port = listeners[0].socket.getsockname()[1]
+            else:
+                # Every connection is a trio.SSLStream; its TLS handshake is made on the first
+                # read, within limits.handshake_timeout_ms like the HANDSHAKE frame.
+                tls_listeners = await nursery.start(
+                    lambda task_status: trio.serve_ssl_over_tcp(
+                        reader.handle,
+                        server.feed_port,
+                        ssl_context,
+                        host=server.host,
+                        https_compatible=True,
+                        task_status=task_status,
+                    )
+                )
+                port = tls_listeners[0].transport_listener.socket.getsockname()[1]
             view.ready = True
-            log.info("HTTP API on http://%s:%d", server.host, http_port)
+            scheme = "https" if ssl_context is not None else "http"
+            log.info("HTTP API on %s://%s:%d", scheme, server.host, http_port)
+            _log_security(config)
             log.info(
                 "listening for router feeds on %s:%d; data in %s; %d indexes: %s",
                 server.host,

@@ -14,8 +14,16 @@ Routes (JSON unless said otherwise; errors are `{"error": message}` with a 4xx/5
     POST   /snapshots/ID/renew       extend a pin's lease
     DELETE /snapshots/ID             release a pin
 
+    POST   /indexes                  create an index (a build over existing data)
+    DELETE /indexes/NAME             drop an index
+    POST   /compact                  compact the store now
+
 Every scan answer names the snapshot it read: headers `X-Indexer-Snapshot` (its number) and
 `X-Indexer-Seqno-Sum`, and for Arrow the same in the stream's schema metadata.
+
+With `[security] token`, every call but GETs needs `Authorization: Bearer TOKEN` (GETs too with
+`scan_token_required`, but /health): otherwise 401 with `WWW-Authenticate`. `[limits]` bounds
+the scans served at once (429) and the rows of one scan (413). See docs/security.md.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import parse_qs
@@ -39,8 +48,15 @@ from prometheus_client.core import GaugeMetricFamily
 from indexer.build import IndexBuild
 from indexer.catalog import CatalogError, IndexCatalog
 from indexer.compaction import Compactor
-from indexer.config import FIELD_PATH, INDEX_NAME, MAX_KEYS
-from indexer.protocol import IndexDefinition
+from indexer.config import (
+    FIELD_PATH,
+    INDEX_NAME,
+    MAX_KEYS,
+    LimitsConfig,
+    SecurityConfig,
+    check_index_name,
+)
+from indexer.protocol import IndexDefinition, token_matches
 from indexer.reader import StreamRegistry
 from indexer.scans import (
     EntryBatch,
@@ -52,6 +68,7 @@ from indexer.scans import (
     json_encode,
     json_text,
     key_range,
+    more_than,
     parse_json_param,
     splits,
 )
@@ -71,8 +88,8 @@ DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_LEASE_S = 600.0
 MAX_LEASE_S = 86400.0
 CONSISTENCIES = ("any", "request_plus", "at_plus")
-INDEX_ROUTE = re.compile(r"^/indexes/([A-Za-z][A-Za-z0-9_]{0,63})/(scan|count|splits)$")
-INDEX_ITEM = re.compile(r"^/indexes/([A-Za-z][A-Za-z0-9_]{0,63})$")
+INDEX_ACTIONS = ("scan", "count", "splits")
+READ_METHODS = ("GET", "HEAD")
 PIN_ROUTE = re.compile(r"^/snapshots/(p\d+)(/renew)?$")
 
 Scope = dict[str, Any]
@@ -112,11 +129,20 @@ class DaemonView:
 class HttpApi:
     """The ASGI application."""
 
-    def __init__(self, view: DaemonView) -> None:
+    def __init__(
+        self,
+        view: DaemonView,
+        security: SecurityConfig | None = None,
+        limits: LimitsConfig | None = None,
+    ) -> None:
         self.view = view
+        self.security = security or SecurityConfig()
+        self.limits = limits or LimitsConfig()
         self.metrics = CollectorRegistry()
         self.metrics.register(_Collector(self))
-        self.active_scans = 0
+        self.active_scans = 0  # streaming rows now
+        self.scan_requests = 0  # scan, count and split requests being served
+        self.refused = {"unauthorized": 0, "too_many_scans": 0, "too_many_rows": 0}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -144,7 +170,8 @@ class HttpApi:
         method = scope["method"]
         path = scope["path"].rstrip("/") or "/"
         query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode()).items()}
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self._authorize(scope, method, path, headers)
         if path == "/health":
             _only(method, "GET")
             if not self.view.ready:
@@ -163,10 +190,8 @@ class HttpApi:
                 return
             _only(method, "GET")
             await _json(send, 200, {"indexes": self.index_list()})
-        elif match := INDEX_ITEM.match(path):
-            _only(method, "DELETE")
-            await self._catalog_call(self._catalog().drop(match.group(1)))
-            await _respond(send, 204, b"", "text/plain")
+        elif path.startswith("/indexes/"):
+            await self._index_route(method, path, query, headers, send)
         elif path == "/compact":
             _only(method, "POST")
             if self.view.compactor is None:
@@ -193,18 +218,83 @@ class HttpApi:
             if not self.view.snapshots.unpin(pin_id):
                 raise ApiError(404, f"no pin {pin_id!r} (released or expired)")
             await _respond(send, 204, b"", "text/plain")
-        elif match := INDEX_ROUTE.match(path):
-            _only(method, "GET")
-            index = self._index(match.group(1), query)
-            action = match.group(2)
+        else:
+            raise ApiError(404, f"no such route: {path}")
+
+    async def _index_route(
+        self, method: str, path: str, query: dict[str, str], headers: dict[str, str], send: Send
+    ) -> None:
+        """DELETE /indexes/NAME and GET /indexes/NAME/(scan|count|splits); a name that is not
+        an index name is a 400, whatever follows it."""
+        name, _, action = path[len("/indexes/") :].partition("/")
+        problem = check_index_name(name)
+        if problem is not None:
+            raise ApiError(400, problem)
+        if not action:
+            _only(method, "DELETE")
+            await self._catalog_call(self._catalog().drop(name))
+            await _respond(send, 204, b"", "text/plain")
+            return
+        if action not in INDEX_ACTIONS:
+            raise ApiError(404, f"no such route: {path} (an index has /scan, /count, /splits)")
+        _only(method, "GET")
+        with self._scan_slot():
+            index = self._index(name, query)
             if action == "splits":
                 await self.split(index, query, send)
             else:
                 await self.scan(index, query, headers, send, count_only=action == "count")
-        elif path.startswith("/indexes/"):
-            raise ApiError(404, "no such route: index names are a letter then letters, digits, _")
+
+    # ---------------------------------------------------------------------------- security
+
+    def _authorize(self, scope: Scope, method: str, path: str, headers: dict[str, str]) -> None:
+        """Refuse (401) a call that needs the token and lacks it; log why, never the token."""
+        token = self.security.token
+        if token is None or path == "/health":
+            return
+        if method in READ_METHODS and not self.security.scan_token_required:
+            return
+        given = headers.get("authorization", "")
+        scheme, _, presented = given.strip().partition(" ")
+        presented = presented.strip()
+        error = "invalid_request"
+        if not given:
+            reason, error = "no Authorization header", ""
+        elif scheme.lower() != "bearer" or not presented:
+            reason = "the Authorization header is not Bearer TOKEN"
+        elif not token_matches(presented, token):
+            reason, error = "the bearer token is wrong", "invalid_token"
         else:
-            raise ApiError(404, f"no such route: {path}")
+            return
+        self.refused["unauthorized"] += 1
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "unknown"
+        log.warning("HTTP %s %r from %s refused: %s", method, path, who, reason)
+        challenge = 'Bearer realm="indexer"' + (f', error="{error}"' if error else "")
+        raise ApiError(
+            401,
+            f"{reason}: this call needs Authorization: Bearer TOKEN (the daemon's security.token)",
+            {"www-authenticate": challenge},
+        )
+
+    @contextmanager
+    def _scan_slot(self) -> Iterator[None]:
+        """One of `limits.max_concurrent_scans` places, or 429 when all are taken."""
+        most = self.limits.max_concurrent_scans
+        if self.scan_requests >= most:
+            self.refused["too_many_scans"] += 1
+            log.warning("scan refused: %d scans running (limits.max_concurrent_scans)", most)
+            raise ApiError(
+                429,
+                f"{most} scans are running, the most this daemon serves at once "
+                "(limits.max_concurrent_scans): retry shortly",
+                {"retry-after": "1"},
+            )
+        self.scan_requests += 1
+        try:
+            yield
+        finally:
+            self.scan_requests -= 1
 
     # ---------------------------------------------------------------------------- catalog
 
@@ -392,11 +482,16 @@ class HttpApi:
             limit = int(_number(query["limit"], "limit", 0, 2**62))
             if str(limit) != query["limit"].strip():
                 raise ApiError(400, "limit: a whole number")
+        most = self.limits.max_scan_rows
+        if most and not count_only and limit is not None and limit > most:
+            self._too_many_rows(f"limit={limit} is over the {most} rows")
         bounds = self._range(index, query)
         snap = (await self._read_snapshot(query)).acquire()
         try:
             if not snap.is_open:
                 raise ApiError(410, "the snapshot was released")
+            if most and not count_only and limit is None:
+                await self._check_rows(index, snap, bounds, most)
             meta = {
                 "x-indexer-snapshot": str(snap.number),
                 "x-indexer-seqno-sum": str(snap.timestamp.total),
@@ -422,6 +517,29 @@ class HttpApi:
                 self.active_scans -= 1
         finally:
             snap.release()
+
+    async def _check_rows(
+        self, index: StoredIndex, snap: StabilitySnapshot, bounds: KeyRange, most: int
+    ) -> None:
+        """413 before any row is sent when a scan without a limit would pass `most` rows:
+        counted on the snapshot it reads, up to most + 1 entries (none when the whole index
+        is small enough)."""
+        total = snap.entry_counts.get(index.definition.name)
+        if total is not None and total <= most:
+            return
+        over = await trio.to_thread.run_sync(
+            more_than, self.view.store, index, snap.store_snapshot, bounds, most
+        )
+        if over:
+            self._too_many_rows(f"the range holds more than the {most} rows")
+
+    def _too_many_rows(self, what: str) -> None:
+        self.refused["too_many_rows"] += 1
+        raise ApiError(
+            413,
+            f"{what} a scan may return (limits.max_scan_rows): give a limit of at most "
+            "that, or narrow the range (low/high, or start/stop as /splits gives them)",
+        )
 
     async def _stream_ndjson(
         self, chunks: Iterator[EntryBatch], send: Send, meta: dict[str, str]
@@ -537,6 +655,8 @@ class HttpApi:
             "timekeeper": asdict(v.timekeeper.statistics()),
             "indexes": {i["name"]: {"entries": i["entries"]} for i in self.index_list()},
             "scans_active": self.active_scans,
+            "scan_requests": self.scan_requests,
+            "refused": dict(self.refused),
         }
 
 

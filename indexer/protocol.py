@@ -8,6 +8,7 @@ counts the version, type and payload bytes. See docs/protocol.md for the full la
 from __future__ import annotations
 
 import functools
+import hmac
 import json
 import struct
 from collections.abc import Iterable, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 MAX_FAILOVER_ENTRIES = 25  # entries kept per vbucket, as a KV failover table
+MAX_TOKEN_CHARS = 4096  # a handshake token longer than this is refused before any comparison
 
 _HEADER = struct.Struct(">IBB")
 _VB_UUID = struct.Struct(">HQ")
@@ -83,6 +85,8 @@ class ErrorCode(IntEnum):
     ROLLBACK = 13  # the index rolled back (another router's failover): handshake again
     BUILD_DONE = 14  # a build stream is no longer wanted (built, dropped): do not reconnect
     SLICE_CHANGED = 15  # this node's vbuckets changed (cluster map): handshake again
+    UNAUTHORIZED = 16  # the handshake's token is missing or wrong (security.token)
+    TOO_MANY_CONNECTIONS = 17  # the node has limits.max_feed_connections open already
 
 
 class ProtocolError(Exception):
@@ -122,6 +126,7 @@ class Handshake:
     each the seqno at which that branch of history starts (UPR). A router that sends none is
     trusted never to reuse a seqno. With `flow_control` the router keeps at most the reply's
     `flow_control_bytes` unacknowledged and the indexer sends BUFFER_ACK as it takes frames.
+    `token` is the shared secret of an indexer that requires one ("" = none); kept out of reprs.
     """
 
     router: str
@@ -131,6 +136,7 @@ class Handshake:
     flow_control: bool = False
     # A build stream: the name of the index being built (its initial build); "" = maintenance.
     build: str = ""
+    token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,12 +334,14 @@ def encode(message: Message) -> bytes:
             return _frame(MessageType.BUFFER_ACK, _COOKIE.pack(nbytes))
         case Error(code, text):
             return _frame(MessageType.ERROR, _ERROR.pack(code) + text.encode())
-        case Handshake(router, num_vbuckets, vbuckets, failover_logs, flow_control, build):
+        case Handshake(router, num_vbuckets, vbuckets, failover_logs, flow_control, build, token):
             body = {"router": router, "num_vbuckets": num_vbuckets, "vbuckets": list(vbuckets)}
             if flow_control:
                 body["flow_control"] = True
             if build:
                 body["build"] = build
+            if token:  # absent when empty: the frame stays what daemons before tokens expect
+                body["token"] = token
             if failover_logs:
                 body["failover_logs"] = {
                     str(vb): [list(entry) for entry in log] for vb, log in failover_logs.items()
@@ -459,7 +467,19 @@ def _decode_handshake(payload: bytes) -> Handshake:
     build = body.get("build", "")
     if not isinstance(build, str):
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "build must be an index name")
-    return Handshake(router, num, vbuckets, logs, flow_control, build)
+    token = body.get("token", "")
+    if not isinstance(token, str) or len(token) > MAX_TOKEN_CHARS:
+        raise ProtocolError(
+            ErrorCode.BAD_HANDSHAKE,
+            f"token must be a string of at most {MAX_TOKEN_CHARS} characters",
+        )
+    return Handshake(router, num, vbuckets, logs, flow_control, build, token)
+
+
+def token_matches(given: str, expected: str) -> bool:
+    """Whether a presented token equals the expected one, in time independent of where they
+    differ (hmac.compare_digest), so timing tells an attacker nothing."""
+    return hmac.compare_digest(given.encode(), expected.encode())
 
 
 def _failover_logs(value: Any, num_vbuckets: int) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -579,7 +599,9 @@ class FrameDecoder:
 
     `feed()` stores bytes; `messages()` returns every complete message. A protocol error found
     after some good frames is raised on the following call, so the good frames before it are
-    still delivered and nothing of the bad frame is.
+    still delivered and nothing of the bad frame is. A frame whose header declares more than
+    `max_frame_bytes` is refused from its 6-byte header alone: its payload is never collected,
+    and once an error is found nothing more is buffered.
     """
 
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -587,7 +609,8 @@ class FrameDecoder:
     _error: ProtocolError | None = None
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        self._buffer += data
+        if self._error is None:  # after an error the connection is closing: keep nothing
+            self._buffer += data
 
     @property
     def buffered(self) -> int:

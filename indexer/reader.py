@@ -5,16 +5,19 @@ the stream rules (handshake first, vbucket owned, stream begun, seqnos increasin
 current snapshot marker) and hands the accepted items onward as one list. A frame that breaks a
 rule gets an error frame and closes the connection; nothing of that frame is handed on, and the
 daemon keeps serving every other connection. Acks of persisted snapshots go back on the same
-connection from a second task.
+connection from a second task. When the daemon has a token, a handshake without it is refused
+(UNAUTHORIZED) before any of its contents is used; a connection over the connection limit, or
+without a handshake in time, is refused too.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -91,10 +94,13 @@ class StreamRegistry:
 class Connection:
     """The protocol state of one router connection, without I/O: messages in, items out."""
 
-    def __init__(self, conn_id: int, registry: StreamRegistry, nkeys: int) -> None:
+    def __init__(
+        self, conn_id: int, registry: StreamRegistry, nkeys: int, token: str | None = None
+    ) -> None:
         self.conn_id = conn_id
         self.registry = registry
         self.nkeys = nkeys
+        self.token = token  # the shared secret a handshake must carry (None: none needed)
         self.handshake: p.Handshake | None = None
         self.vbuckets: set[int] = set()
 
@@ -116,6 +122,7 @@ class Connection:
         if self.handshake is None:
             if type(message) is not p.Handshake:
                 raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "the first frame must be HANDSHAKE")
+            self._check_token(message)
             if message.num_vbuckets != len(reg.owned):
                 raise ProtocolError(
                     ErrorCode.BAD_HANDSHAKE,
@@ -166,6 +173,19 @@ class Connection:
         if type(message) is p.Handshake:
             raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "HANDSHAKE sent twice")
         raise ProtocolError(ErrorCode.PROTOCOL, f"{type(message).__name__} is not sent by routers")
+
+    def _check_token(self, handshake: p.Handshake) -> None:
+        """Refuse a handshake without the shared token before anything of it is used."""
+        if self.token is None:
+            return
+        if not handshake.token:
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED,
+                "this indexer requires a token in the handshake (give the router --token-file, "
+                "--token or INDEXER_TOKEN)",
+            )
+        if not p.token_matches(handshake.token, self.token):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "the handshake's token is wrong")
 
     def _accept_batch(self, batch: p.MutationBatch) -> p.MutationBatch | None:
         reg = self.registry
@@ -235,6 +255,10 @@ class Reader:
         items: trio.MemorySendChannel[list[StreamItem]],
         max_frame_bytes: int,
         flow_control_bytes: int = 4 << 20,
+        *,
+        token: str | None = None,
+        max_connections: int = 256,
+        handshake_timeout_s: float = 10.0,
     ) -> None:
         self.registry = registry
         self.indexes = tuple(indexes)
@@ -243,6 +267,9 @@ class Reader:
         self.items = items
         self.max_frame_bytes = max_frame_bytes
         self.flow_control_bytes = flow_control_bytes
+        self.token = token
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
         # Rolls the index back (set by the daemon): connection id, {vbucket: rollback seqno}.
         self.rollback: Callable[[int, dict[int, int]], Awaitable[None]] | None = None
         self._ids = itertools.count(1)
@@ -287,35 +314,53 @@ class Reader:
         self._open.set()
 
     async def handle(self, stream: trio.abc.Stream) -> None:
-        """The task of one connection (given to trio.serve_tcp)."""
-        await self._open.wait()
-        conn_id = next(self._ids)
-        with trio.CancelScope() as scope:
-            self._live[conn_id] = scope
+        """The task of one connection (given to trio.serve_tcp, or serve_ssl_over_tcp with
+        TLS); one over `max_connections` gets TOO_MANY_CONNECTIONS and is closed. A connection
+        counts from its accept until its socket is closed, waiting for `_open` included."""
+        reg = self.registry
+        if reg.connections >= self.max_connections:
+            reg.errors += 1
+            message = (
+                f"{reg.connections} router connections are open, the most this node takes "
+                "(limits.max_feed_connections)"
+            )
+            log.warning(
+                "router %s refused: %s (%s)",
+                _peer(stream),
+                message,
+                ErrorCode.TOO_MANY_CONNECTIONS.name,
+            )
             try:
-                await self._handle(stream, conn_id)
+                await _send_error(stream, trio.Lock(), ErrorCode.TOO_MANY_CONNECTIONS, message)
             finally:
-                del self._live[conn_id]
-                self._build_conns.pop(conn_id, None)
-                self._build_kicks.pop(conn_id, None)
+                with trio.move_on_after(1) as cleanup:
+                    cleanup.shield = True
+                    await stream.aclose()
+            return
+        reg.connections += 1
+        try:
+            await self._open.wait()
+            conn_id = next(self._ids)
+            with trio.CancelScope() as scope:
+                self._live[conn_id] = scope
+                try:
+                    await self._handle(stream, conn_id)
+                finally:
+                    del self._live[conn_id]
+                    self._build_conns.pop(conn_id, None)
+                    self._build_kicks.pop(conn_id, None)
+        finally:
+            reg.connections -= 1
 
     async def _handle(self, stream: trio.abc.Stream, conn_id: int) -> None:
-        conn = Connection(conn_id, self.registry, len(self.indexes))
+        conn = Connection(conn_id, self.registry, len(self.indexes), self.token)
         peer = _peer(stream)
         reg = self.registry
-        reg.connections += 1
         reg.connections_total += 1
         send_lock = trio.Lock()
 
         async def refuse(code: ErrorCode, message: str) -> None:
-            # Best effort: the router may already be gone, and that must not matter here.
-            with trio.move_on_after(2) as scope:
-                scope.shield = True
-                try:
-                    async with send_lock:
-                        await stream.send_all(p.encode(p.Error(code, message)))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
+            await _send_error(stream, send_lock, code, message)
 
         try:
             async with self.items.clone() as items, trio.open_nursery() as nursery:
@@ -326,7 +371,12 @@ class Reader:
                     log.warning("router %s refused: %s (%s)", peer, exc.message, exc.code.name)
                     await refuse(exc.code, exc.message)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    log.info("router %s disconnected: %s", peer, exc)
+                    if conn.handshake is None and isinstance(exc.__cause__, ssl.SSLError):
+                        reg.errors += 1
+                        why = exc.__cause__
+                        log.warning("router %s refused: TLS handshake failed: %s", peer, why)
+                    else:
+                        log.info("router %s disconnected: %s", peer, exc)
                 except trio.Cancelled:
                     code, message = (
                         self._build_kicks.get(conn.conn_id)
@@ -342,7 +392,6 @@ class Reader:
                 nursery.cancel_scope.cancel()
         finally:
             conn.release()
-            reg.connections -= 1
             with trio.move_on_after(1) as cleanup:
                 cleanup.shield = True
                 await stream.aclose()
@@ -362,11 +411,23 @@ class Reader:
         barriers = Barriers(self.snapshots, stream, send_lock, nursery)
         credit = 0  # bytes taken into the pipeline and not yet returned to the router
         build: IndexBuild | None = None  # set when this is a build stream
+        # TLS handshake and HANDSHAKE frame by then, or the connection is closed.
+        handshake_by = trio.current_time() + self.handshake_timeout_s
         while True:
-            if throttle.paused:
-                reg.throttle_waits += 1
-                await throttle.wait_open()
-            data = await stream.receive_some(RECEIVE_BYTES)
+            if conn.handshake is None:  # a handshake is small: read it even while throttled
+                with trio.move_on_at(handshake_by) as waiting:
+                    data = await stream.receive_some(RECEIVE_BYTES)
+                if waiting.cancelled_caught:
+                    raise ProtocolError(
+                        ErrorCode.BAD_HANDSHAKE,
+                        f"no HANDSHAKE within {self.handshake_timeout_s:g} s of connecting "
+                        "(limits.handshake_timeout_ms)",
+                    )
+            else:
+                if throttle.paused:
+                    reg.throttle_waits += 1
+                    await throttle.wait_open()
+                data = await stream.receive_some(RECEIVE_BYTES)
             if not data:
                 decoder.close()
                 log.info("router %s closed the connection", peer)
@@ -611,9 +672,24 @@ class Barriers:
             pass
 
 
+async def _send_error(
+    stream: trio.abc.Stream, send_lock: trio.Lock, code: ErrorCode, message: str
+) -> None:
+    """Send an ERROR frame, best effort within 2 s: the router may already be gone."""
+    with trio.move_on_after(2) as scope:
+        scope.shield = True
+        try:
+            async with send_lock:
+                await stream.send_all(p.encode(p.Error(code, message)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+
 def _peer(stream: trio.abc.Stream) -> str:
+    """HOST:PORT of the router, through a TLS layer if there is one."""
+    transport: Any = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
     try:
-        host, port = stream.socket.getpeername()[:2]  # type: ignore[attr-defined]
+        host, port = transport.socket.getpeername()[:2]
         return f"{host}:{port}"
     except (AttributeError, OSError):
         return "unknown"

@@ -121,6 +121,13 @@ def count_entries(store: IndexStore, index: StoredIndex, snapshot: Any, bounds: 
     return sum(1 for _ in _entries(store, index, snapshot, bounds))
 
 
+def more_than(
+    store: IndexStore, index: StoredIndex, snapshot: Any, bounds: KeyRange, most: int
+) -> bool:
+    """Whether `bounds` holds more than `most` entries: reads at most most + 1 keys (blocking)."""
+    return sum(1 for _ in _entries(store, index, snapshot, bounds, most + 1)) > most
+
+
 def _entries(
     store: IndexStore,
     index: StoredIndex,

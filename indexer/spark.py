@@ -12,18 +12,21 @@ offline, notes the persisted snapshot file), asks for key ranges of about equal 
 each into a partition; every partition reads that snapshot as Arrow record batches. Range
 filters on the leading key column narrow the scanned key range. With a cluster map it does the
 same on every node (one pin per node, the partitions shared out by entry count), each partition
-reading one range of one node. See docs/spark.md.
+reading one range of one node. A daemon with a shared token or TLS (docs/security.md) is read
+with `.option("token_file", FILE)` (or `token`) and `.option("tls_ca", PEM_FILE)`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import logging
 import math
 import os
 import random
+import ssl
 import struct
 import sys
 import tempfile
@@ -89,7 +92,7 @@ DEFAULT_TIMEOUT_S = 120.0
 SNAPSHOTS = ("persisted", "stable")
 OPTIONS = (
     "url path cluster_map index partitions snapshot consistency at_plus pin lease_s timeout "
-    "pushdown"
+    "pushdown token token_file tls tls_ca"
 )
 JSON_TEXT = "indexer.json_text"  # field metadata marking a column of JSON text (the default)
 OFFLINE_CHUNK_ROWS = 100_000  # rows read per hold of an offline store's lock
@@ -104,6 +107,56 @@ log = logging.getLogger(__name__)
 
 class IndexerSourceError(Exception):
     """The source cannot read: bad options, the daemon said no, the store is held. One line."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """How requests reach a daemon: the bearer token of its `[security]`, the CA certificates
+    (PEM text, read once on the driver) its TLS certificate must chain to, and whether cluster
+    map nodes are asked over HTTPS. The token is kept out of reprs."""
+
+    token: str | None = dataclasses.field(default=None, repr=False)
+    ca_pem: str | None = None
+    tls: bool = False
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def context(self) -> ssl.SSLContext | None:
+        """The TLS context checking the daemon: the given CAs, else None (the system's)."""
+        if self.ca_pem is None:
+            return None
+        context = ssl.create_default_context(cadata=self.ca_pem)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        return context
+
+
+def _access(opts: Mapping[str, str]) -> Access:
+    """The token (`token`, or the first line of `token_file`) and TLS (`tls_ca`, `tls`)."""
+    token = opts.get("token") or None
+    token_file = opts.get("token_file") or None
+    if token is not None and token_file is not None:
+        raise IndexerSourceError("give the token or token_file option, not both")
+    if token_file is not None:
+        try:
+            lines = Path(token_file).read_text(encoding="utf-8").strip().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise IndexerSourceError(f"token_file: cannot read {token_file}: {exc}") from None
+        token = lines[0].strip() if lines else ""
+    if token is not None and (not token or any(c <= " " or c > "~" for c in token)):
+        raise IndexerSourceError("token: visible ASCII characters (no spaces)")
+    ca_pem = None
+    tls_ca = opts.get("tls_ca") or None
+    if tls_ca is not None:
+        try:
+            ca_pem = Path(tls_ca).read_text(encoding="ascii")
+            ssl.create_default_context(cadata=ca_pem)
+        except (OSError, UnicodeDecodeError, ssl.SSLError, ValueError) as exc:
+            raise IndexerSourceError(f"tls_ca: cannot load {tls_ca}: {exc}") from None
+    tls = opts.get("tls", "false").lower()
+    if tls not in ("true", "false"):
+        raise IndexerSourceError(f'tls: "true" or "false", not {tls!r}')
+    return Access(token, ca_pem, tls == "true" or ca_pem is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +182,7 @@ class SourceOptions:
     # scan of it (docs/spark.md), which would silently drop rows. Off, every plan reads
     # everything and Spark filters after the read.
     pushdown: bool = False
+    access: Access = dataclasses.field(default_factory=Access)  # token and TLS of online reads
 
     @classmethod
     def parse(cls, options: Mapping[str, str], default_pushdown: bool = False) -> SourceOptions:
@@ -163,6 +217,12 @@ class SourceOptions:
             )
         if pin is not None and at_plus is not None:
             raise IndexerSourceError("give pin or at_plus, not both")
+        access = _access(opts)
+        if path is not None and access != Access():
+            raise IndexerSourceError(
+                "offline reads (path) open the store itself: token, token_file, tls and tls_ca "
+                "are for the url or cluster_map option"
+            )
         pushdown = opts.get("pushdown", str(default_pushdown)).lower()
         if pushdown not in ("true", "false"):
             raise IndexerSourceError(f'pushdown: "true" or "false", not {pushdown!r}')
@@ -178,6 +238,7 @@ class SourceOptions:
             lease_s=_positive(opts, "lease_s", DEFAULT_LEASE_S),
             timeout=_positive(opts, "timeout", DEFAULT_TIMEOUT_S),
             pushdown=pushdown == "true",
+            access=access,
         )
 
 
@@ -232,6 +293,7 @@ class Pin:
     seqno_sum: int
     lease_s: float
     url: str
+    access: Access = dataclasses.field(default_factory=Access, repr=False)  # to release it
 
 
 def _http(
@@ -243,22 +305,27 @@ def _http(
     body: Any = None,
     accept: str = "application/json",
     timeout: float = DEFAULT_TIMEOUT_S,
+    access: Access | None = None,
 ) -> Any:
     """Send one request; the open response on 2xx, else IndexerSourceError naming the cause.
 
     A 503 with Retry-After (starting, no snapshot yet, short of memory) is retried until
-    `timeout` seconds have passed.
+    `timeout` seconds have passed. `access` adds the bearer token and checks TLS with its CAs.
     """
     query = ("?" + urllib.parse.urlencode(params)) if params else ""
     data = json.dumps(body).encode() if body is not None else None
     deadline = time.monotonic() + timeout
+    access = access or Access()
+    context = access.context()
     while True:
         request = urllib.request.Request(url + path + query, data=data, method=method)
         request.add_header("Accept", accept)
+        for name, value in access.headers().items():
+            request.add_header(name, value)
         if data is not None:
             request.add_header("Content-Type", "application/json")
         try:
-            return urllib.request.urlopen(request, timeout=timeout)
+            return urllib.request.urlopen(request, timeout=timeout, context=context)
         except urllib.error.HTTPError as exc:
             raw = exc.read()
             retry = _retry_after(exc)
@@ -299,28 +366,34 @@ def pin_snapshot(
     at_plus: Mapping[str, int] | None = None,
     lease_s: float = DEFAULT_LEASE_S,
     timeout: float = DEFAULT_TIMEOUT_S,
+    access: Access | None = None,
 ) -> Pin:
     """Pin the latest persisted (or "stable", or an at_plus) snapshot on the daemon at `url`."""
     url = url.rstrip("/")
+    access = access or Access()
     body: dict[str, Any] = {"lease_s": lease_s}
     if at_plus is not None:
         body.update(at_plus=dict(at_plus), timeout_s=timeout)
     else:
         body.update(snapshot=snapshot, timeout_s=timeout)
-    answer = _json_call("POST", url, "/snapshots/pin", body=body, timeout=timeout + 10)
+    answer = _json_call(
+        "POST", url, "/snapshots/pin", body=body, timeout=timeout + 10, access=access
+    )
     return Pin(
         str(answer["id"]),
         int(answer["snapshot"]),
         int(answer["seqno_sum"]),
         float(answer["lease_s"]),
         url,
+        access,
     )
 
 
-def release(url: str, pin_id: str, timeout: float = 30) -> None:
+def release(url: str, pin_id: str, timeout: float = 30, access: Access | None = None) -> None:
     """Release a pin; one already released or expired is fine."""
     with contextlib.suppress(IndexerSourceError):
-        _http("DELETE", url.rstrip("/"), f"/snapshots/{pin_id}", timeout=timeout).close()
+        path = f"/snapshots/{pin_id}"
+        _http("DELETE", url.rstrip("/"), path, timeout=timeout, access=access).close()
 
 
 @contextlib.contextmanager
@@ -331,18 +404,24 @@ def pinned(
     at_plus: Mapping[str, int] | None = None,
     lease_s: float = DEFAULT_LEASE_S,
     timeout: float = DEFAULT_TIMEOUT_S,
+    access: Access | None = None,
 ) -> Iterator[Pin]:
     """A pin for several reads (`.option("pin", pin.id)`), released on leaving the block."""
-    pin = pin_snapshot(url, snapshot, at_plus=at_plus, lease_s=lease_s, timeout=timeout)
+    pin = pin_snapshot(
+        url, snapshot, at_plus=at_plus, lease_s=lease_s, timeout=timeout, access=access
+    )
     try:
         yield pin
     finally:
-        release(url, pin.id)
+        release(url, pin.id, access=access)
 
 
-def index_keys(url: str, index: str, timeout: float = DEFAULT_TIMEOUT_S) -> list[str]:
+def index_keys(
+    url: str, index: str, timeout: float = DEFAULT_TIMEOUT_S, access: Access | None = None
+) -> list[str]:
     """The key paths of `index` on the daemon at `url`."""
-    listing = _json_call("GET", url.rstrip("/"), "/indexes", timeout=timeout)["indexes"]
+    listing = _json_call("GET", url.rstrip("/"), "/indexes", timeout=timeout, access=access)
+    listing = listing["indexes"]
     for item in listing:
         if item["name"] == index:
             return [str(k) for k in item["keys"]]
@@ -363,6 +442,7 @@ class Target:
     url: str
     node: str | None = None  # the node's name in the cluster map
     vbuckets: frozenset[int] | None = None  # the node's slice (None: every vbucket)
+    access: Access = dataclasses.field(default_factory=Access, repr=False)
 
     def say(self, message: str) -> str:
         """`message` naming the node it is about, if it is one."""
@@ -384,22 +464,29 @@ def load_cluster(path: str | Path) -> ClusterMap:
         raise IndexerSourceError(f"cluster_map: {exc}") from None
 
 
-def cluster_targets(cluster: ClusterMap, at_plus: Mapping[str, int] | None = None) -> list[Target]:
-    """One target per node of the map, in the map's order; checks `at_plus` against it."""
+def cluster_targets(
+    cluster: ClusterMap, at_plus: Mapping[str, int] | None = None, access: Access | None = None
+) -> list[Target]:
+    """One target per node of the map, in the map's order (over HTTPS when `access.tls`);
+    checks `at_plus` against it."""
+    access = access or Access()
     for vb in at_plus or {}:
         if not (vb.isdigit() and int(vb) < cluster.num_vbuckets):
             raise IndexerSourceError(
                 f"at_plus: vbucket {vb!r} is not one of the cluster map's vbuckets "
                 f"(0-{cluster.num_vbuckets - 1})"
             )
-    return [Target(n.url, n.name, frozenset(n.vbuckets)) for n in cluster.nodes]
+    return [
+        Target(n.base_url(access.tls), n.name, frozenset(n.vbuckets), access) for n in cluster.nodes
+    ]
 
 
 def _targets(options: SourceOptions) -> list[Target]:
     if options.cluster_map is not None:
-        return cluster_targets(load_cluster(options.cluster_map), options.at_plus)
+        cluster = load_cluster(options.cluster_map)
+        return cluster_targets(cluster, options.at_plus, options.access)
     assert options.url is not None
-    return [Target(options.url)]
+    return [Target(options.url, access=options.access)]
 
 
 def _on_each(targets: Sequence[Target], work: Callable[[int, Target], _T]) -> list[_T | Exception]:
@@ -449,7 +536,12 @@ def _pin_each(
     outcomes = _on_each(
         targets,
         lambda _, t: pin_snapshot(
-            t.url, snapshot, at_plus=t.at_plus(at_plus), lease_s=lease_s, timeout=timeout
+            t.url,
+            snapshot,
+            at_plus=t.at_plus(at_plus),
+            lease_s=lease_s,
+            timeout=timeout,
+            access=t.access,
         ),
     )
     failure = _failure(outcomes)
@@ -461,7 +553,7 @@ def _pin_each(
 
 def _release_each(pins: Sequence[Pin]) -> None:
     for pin in pins:
-        release(pin.url, pin.id)
+        release(pin.url, pin.id, access=pin.access)
 
 
 @dataclass(frozen=True)
@@ -488,12 +580,13 @@ def pin_cluster(
     at_plus: Mapping[str, int] | None = None,
     lease_s: float = DEFAULT_LEASE_S,
     timeout: float = DEFAULT_TIMEOUT_S,
+    access: Access | None = None,
 ) -> ClusterPin:
     """Pin a snapshot on every node of the map, as `pin_snapshot` does on one (an `at_plus`
     vector is cut to each node's vbuckets). If a node fails, the pins made are released."""
     cluster = load_cluster(cluster_map)
     vector = None if at_plus is None else {str(vb): s for vb, s in at_plus.items()}
-    targets = cluster_targets(cluster, vector)
+    targets = cluster_targets(cluster, vector, access)
     pins = _pin_each(targets, snapshot, vector, lease_s, timeout)
     return ClusterPin({str(t.node): pin for t, pin in zip(targets, pins, strict=True)})
 
@@ -511,10 +604,13 @@ def pinned_cluster(
     at_plus: Mapping[str, int] | None = None,
     lease_s: float = DEFAULT_LEASE_S,
     timeout: float = DEFAULT_TIMEOUT_S,
+    access: Access | None = None,
 ) -> Iterator[ClusterPin]:
     """Pins on every node for several reads (`.option("pin", pins.id)` with `cluster_map`),
     released on leaving the block."""
-    pins = pin_cluster(cluster_map, snapshot, at_plus=at_plus, lease_s=lease_s, timeout=timeout)
+    pins = pin_cluster(
+        cluster_map, snapshot, at_plus=at_plus, lease_s=lease_s, timeout=timeout, access=access
+    )
     try:
         yield pins
     finally:
@@ -564,7 +660,7 @@ def index_keys_everywhere(
     targets: Sequence[Target], index: str, timeout: float = DEFAULT_TIMEOUT_S
 ) -> list[str]:
     """The key paths of `index`, which every target must define alike."""
-    found = _results(_on_each(targets, lambda _, t: index_keys(t.url, index, timeout)))
+    found = _results(_on_each(targets, lambda _, t: index_keys(t.url, index, timeout, t.access)))
     for target, keys in zip(targets, found, strict=True):
         if keys != found[0]:
             raise IndexerSourceError(
@@ -925,7 +1021,8 @@ class IndexerPartition(InputPartition):
 
 class IndexerDataSource(DataSource):
     """`spark.read.format("indexer")`: options url, path or cluster_map, index, partitions,
-    snapshot, at_plus, pin, lease_s, timeout, pushdown (docs/spark.md)."""
+    snapshot, at_plus, pin, lease_s, timeout, pushdown (docs/spark.md), and token, token_file,
+    tls, tls_ca for a daemon with a token or TLS (docs/security.md)."""
 
     default_partitions: int | None = None  # set by `register` to spark's default parallelism
     default_pushdown: bool = False  # set by `register`: on when the Spark keeps plans per scan
@@ -949,7 +1046,7 @@ def _keys(options: SourceOptions) -> list[str]:
     if options.cluster_map is not None:
         return index_keys_everywhere(_targets(options), options.index, options.timeout)
     if options.url is not None:
-        return index_keys(options.url, options.index, options.timeout)
+        return index_keys(options.url, options.index, options.timeout, options.access)
     assert options.path is not None
     return _offline_keys(options.path, options.index)
 
@@ -1061,7 +1158,12 @@ class IndexerReader(DataSourceReader):
         """The index's entries on `target` at its pin."""
         path = f"/indexes/{self.options.index}/count"
         answer = _json_call(
-            "GET", target.url, path, params={"pin": pin_id}, timeout=self.options.timeout
+            "GET",
+            target.url,
+            path,
+            params={"pin": pin_id},
+            timeout=self.options.timeout,
+            access=target.access,
         )
         return int(answer["count"])
 
@@ -1073,6 +1175,7 @@ class IndexerReader(DataSourceReader):
             f"/indexes/{self.options.index}/splits",
             params={"parts": parts, "pin": pin_id},
             timeout=self.options.timeout,
+            access=target.access,
         )
         return [
             KeyRange(
@@ -1120,7 +1223,13 @@ class IndexerReader(DataSourceReader):
         path = f"/indexes/{options.index}/scan"
         try:
             response = _http(
-                "GET", url, path, params=params, accept=ARROW_STREAM, timeout=options.timeout
+                "GET",
+                url,
+                path,
+                params=params,
+                accept=ARROW_STREAM,
+                timeout=options.timeout,
+                access=options.access,
             )
         except IndexerSourceError as exc:
             if "no pin" in str(exc) and options.pin is None:

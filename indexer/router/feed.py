@@ -7,17 +7,21 @@ vbucket (CRC32 of the id) in input order, so replaying the same input after a re
 exactly what the indexer reported as persisted. `LogEncoder` streams a router's source log
 (`source.py`): stored seqnos and vbuuids, with failover logs in the handshake. `feed` and
 `feed_log` move those frames over TCP and read acks; `follow_log` keeps its connection and
-streams a live log's appends as they come (the long-running router, `service.py`).
+streams a live log's appends as they come (the long-running router, `service.py`). Every
+connection uses the `FeedSecurity` in force (`feed_security`): the indexer's shared token in
+the handshake, TLS when it has a context.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import ssl
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from contextlib import closing, suppress
-from dataclasses import dataclass
+from contextlib import closing, contextmanager, suppress
+from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
 
 import trio
@@ -42,6 +46,39 @@ class FeedError(Exception):
 
 
 MAX_RECONNECTS = 20
+
+
+@dataclass(frozen=True)
+class FeedSecurity:
+    """How a feed proves itself to the indexer (`token`, sent in the handshake; "" = none) and
+    checks the indexer (TLS with `ssl_context`; None = plain TCP). The token is kept out of
+    reprs."""
+
+    token: str = field(default="", repr=False)
+    ssl_context: ssl.SSLContext | None = None
+
+
+# The security of the feeds started in a context and the tasks it starts (trio copies the
+# context into every task it spawns). A context variable rather than an argument: the node
+# streams of `indexer router` reach `_connection` through code that carries no such option.
+_SECURITY: contextvars.ContextVar[FeedSecurity | None] = contextvars.ContextVar(
+    "feed_security", default=None
+)
+
+
+def current_security() -> FeedSecurity:
+    """The security in force: the innermost `feed_security` block's, else none."""
+    return _SECURITY.get() or FeedSecurity()
+
+
+@contextmanager
+def feed_security(security: FeedSecurity) -> Iterator[None]:
+    """Feeds and router streams started inside this block use `security`."""
+    reset = _SECURITY.set(security)
+    try:
+        yield
+    finally:
+        _SECURITY.reset(reset)
 
 
 def default_vbuuid(vbucket: int) -> int:
@@ -336,7 +373,7 @@ class FeedResult:
 class _Peer:
     """The indexer side of the connection: decodes its frames, tracks acks."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.decoder = p.FrameDecoder(64 << 20)
         self.acked: dict[int, int] = {}
@@ -515,12 +552,29 @@ async def _feed_once(
     return await _connection(host, port, run)
 
 
-async def _connection(host: str, port: int, run: Callable[[_Peer], Awaitable[_T]]) -> _T:
-    """Connect and `run` the conversation; connection failures become a FeedError."""
+async def _connect(host: str, port: int) -> trio.abc.Stream:
+    """A TCP connection to the indexer, with TLS (handshake made, certificate checked) when
+    the security in force has a context."""
+    context = current_security().ssl_context
     try:
-        stream = await trio.open_tcp_stream(host, port)
+        tcp = await trio.open_tcp_stream(host, port)
     except OSError as exc:
         raise FeedError(f"cannot connect to the indexer at {host}:{port}: {exc}") from None
+    if context is None:
+        return tcp
+    stream = trio.SSLStream(tcp, context, server_hostname=host, https_compatible=True)
+    try:
+        await stream.do_handshake()
+    except trio.BrokenResourceError as exc:
+        await trio.aclose_forcefully(tcp)
+        why = exc.__cause__ or exc
+        raise FeedError(f"TLS handshake with the indexer at {host}:{port} failed: {why}") from None
+    return stream
+
+
+async def _connection(host: str, port: int, run: Callable[[_Peer], Awaitable[_T]]) -> _T:
+    """Connect and `run` the conversation; connection failures become a FeedError."""
+    stream = await _connect(host, port)
     async with stream:
         peer = _Peer(stream)
         try:
@@ -558,7 +612,7 @@ def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 async def _run(
-    stream: trio.SocketStream,
+    stream: trio.abc.Stream,
     peer: _Peer,
     handshake: p.Handshake,
     start: _Start,
@@ -591,8 +645,10 @@ async def _run(
 async def _handshake(
     peer: _Peer, handshake: p.Handshake, settings: FeedSettings
 ) -> p.HandshakeReply:
-    """Send the handshake, read the reply, report rollbacks and open the flow-control window."""
-    handshake = dataclasses.replace(handshake, flow_control=settings.flow_control)
+    """Send the handshake (with the token in force, if any), read the reply, report rollbacks
+    and open the flow-control window."""
+    token = handshake.token or current_security().token
+    handshake = dataclasses.replace(handshake, flow_control=settings.flow_control, token=token)
     await peer.send(p.encode(handshake))  # the window counts the handshake too
     reply = await peer.next_message()
     if isinstance(reply, p.Error):

@@ -19,7 +19,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import trio
 from indexer import protocol as p
 from indexer.router.documents import Document, DocumentError, parse_line, vbucket_of
 from indexer.router.expiry import with_absolute_expiry
-from indexer.router.feed import RECONNECT_CODES, FeedError
+from indexer.router.feed import RECONNECT_CODES, FeedError, FeedSecurity, feed_security
 from indexer.router.mutations import MutationManager
 from indexer.router.node_stream import (
     MaintenanceFirst,
@@ -73,6 +73,8 @@ class RouterOptions:
     generate: Workload | None = None
     rate: float | None = None  # generated documents per second; None: as fast as appended
     cluster_map: Path | None = None  # the nodes come from this map, re-read as it changes
+    # The nodes' shared token (in every handshake) and TLS context (None: plain TCP).
+    security: FeedSecurity = field(default_factory=FeedSecurity)
 
 
 class LineSplitter:
@@ -620,7 +622,8 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
         targets = watch.load() or targets
     nodes = Nodes(targets)
     running: dict[Address, trio.CancelScope] = {}
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    signals_of = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+    with feed_security(options.security), signals_of as signals:
         async with trio.open_nursery() as nursery:
 
             async def node_task(address: Address, scope: trio.CancelScope) -> None:
