@@ -39,6 +39,7 @@ class MutationRing:
         self._used = bytearray(capacity)
         self._ones = memoryview(b"\x01" * capacity)
         self._zeros = memoryview(bytes(capacity))
+        self._blank = [0] * capacity
         self._head = 0
         self._size = 0  # slots from head to tail, holes included
         self._queued = 0  # USED slots
@@ -143,6 +144,10 @@ class MutationRing:
                 oc += chunks[a:b]
                 ol += lens[a:b]
                 used[a:b] = self._zeros[: b - a]
+                # A taken slot must not keep its entry's int objects alive: over a ring's
+                # first lap that would be ~60 bytes per slot of memory no quota sees.
+                blank = self._blank[: b - a]
+                seqs[a:b] = chunks[a:b] = lens[a:b] = blank
             elif n == 1:
                 i = idx[0]
                 ov.append(vbs[i])
@@ -150,6 +155,7 @@ class MutationRing:
                 oc.append(chunks[i])
                 ol.append(lens[i])
                 used[i] = 0
+                seqs[i] = chunks[i] = lens[i] = 0
             else:
                 get = itemgetter(*idx)
                 ov += get(vbs)
@@ -158,6 +164,7 @@ class MutationRing:
                 ol += get(lens)
                 for i in idx:
                     used[i] = 0
+                    seqs[i] = chunks[i] = lens[i] = 0
         if not taken:
             return ov, os, oc, ol
         self._queued -= taken

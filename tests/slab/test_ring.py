@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import trio
 import trio.testing
@@ -244,3 +246,19 @@ def test_model_against_plain_list(cap: int, ops: list[tuple[str, object, int]]) 
         st_ = ring.statistics()
         assert st_.holes == sum(e is None for e in slots)
         assert st_.tail == (st_.head + len(slots)) % cap
+
+
+def test_drained_slots_keep_no_entry_alive() -> None:
+    """A slot taken by a drain lets go of its entry's numbers: otherwise every slot of a large
+    ring would hold ~60 bytes of int objects once used, memory the quota never sees."""
+    ring = MutationRing(8)
+    seqno, chunk, length = 10**12 + 1, 10**12 + 2, 10**12 + 3  # not small-int singletons
+    before = [sys.getrefcount(x) for x in (seqno, chunk, length)]
+    for split in (False, True):  # a whole segment, then entries taken one by one
+        ring.push_many(1, [seqno], [chunk], [length])
+        ring.push_many(2, [5], [6], [7])
+        taken = ring.drain([0, 10**13, 4] if split else [10**13] * 3)
+        assert taken[1][0] == seqno
+        del taken
+        ring.drain([10**13] * 3)
+        assert [sys.getrefcount(x) for x in (seqno, chunk, length)] == before
