@@ -34,12 +34,18 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-bench: $(STAMP)
-	$(BIN)/python bench/ingest.py
-	$(BIN)/python bench/scan.py
-	$(BIN)/python bench/rollback.py
-	$(BIN)/python bench/router.py
-	$(BIN)/python bench/build.py
+# Every benchmark, then docs/performance.md's figures and docs/perf/*.png (bench/report.py);
+# the plots need matplotlib, the `bench` extra, installed on the first run. BENCH_ARGS=--quick
+# runs small sizes to check the chain.
+BENCH_STAMP := $(VENV)/.bench-installed
+BENCH_ARGS ?=
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python bench/report.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache .hypothesis

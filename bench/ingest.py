@@ -18,7 +18,13 @@ Naive: `bench/naive_server.py`, an asyncio server doing per mutation a back-inde
 and individual deletes and puts, fed the same pre-encoded frames.
 
 Queue memory is computed offline: the workload's records allocated in a SlabPool of the default
-configuration's sizes. The last line printed is one JSON object with every figure.
+configuration's sizes.
+
+During the end-to-end run a thread of the bench reads the daemon's `GET /stats` every 150 ms
+(about 1 ms of the daemon's CPU each, under 1% of its event loop): the JSON's `timeline` holds,
+per sample, the seconds since the router's first byte, the received, readable and persisted seqno
+sums, the records queued in the workers' rings, the slab bytes in use and the throttle's state.
+The last line printed is one JSON object with every figure.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import psutil
 from common import (  # bench/common.py: run as `python bench/...`
     HOST,
     Daemon,
+    StatsSampler,
     in_workdir,
     ratio,
     say,
@@ -83,6 +90,7 @@ STALLS = re.compile(r"(\d+) stalls on full queues, (\d+) memory throttle pauses"
 BENCH_DIR = Path(__file__).resolve().parent
 RING_SLOT_BYTES = 4 * struct.calcsize("P") + 1  # vbucket, seqno, chunk, length lists + USED flag
 SMALL_INT = 256  # CPython caches ints up to this one
+STATS_INTERVAL_S = 0.15  # GET /stats during the end-to-end run: ~1 ms of the daemon's CPU each
 
 Keys = tuple[bytes, ...]
 Op = tuple[bytes, bytes | None]  # (key, value); value None = delete
@@ -300,6 +308,8 @@ class EndToEnd:
     readable_seconds: float | None
     stalls: tuple[int, int] | None  # (stalls on full queues, memory throttle pauses)
     store: Path
+    timeline: dict[str, list[float]]  # GET /stats by column, `t_s` from the first byte
+    timeline_failures: int
 
     @property
     def per_s(self) -> float:
@@ -331,6 +341,8 @@ def measure_e2e(opts: argparse.Namespace, workdir: Path) -> EndToEnd:
         assert daemon.proc is not None
         sampler = ProcessSampler(daemon.proc.pid)
         sampler.start()
+        timeline = StatsSampler(daemon.url, STATS_INTERVAL_S)
+        timeline.start()
         cpu_before = sampler.cpu()
         router = subprocess.run(
             [
@@ -352,6 +364,7 @@ def measure_e2e(opts: argparse.Namespace, workdir: Path) -> EndToEnd:
         cpu_after = sampler.cpu()
         sampler.stopped.set()
         sampler.join()
+        timeline.stop()
         if router.returncode != 0:
             raise RuntimeError(
                 f"the router failed ({router.returncode}):\n{router.stderr}\n"
@@ -384,6 +397,8 @@ def measure_e2e(opts: argparse.Namespace, workdir: Path) -> EndToEnd:
         readable_seconds=(None if readable is None else readable - result["first_byte"]),
         stalls=stalls,
         store=daemon.data_dir / "store",
+        timeline=timeline.series(result["first_byte"], result["done"]),
+        timeline_failures=timeline.failures,
     )
 
 
@@ -748,6 +763,14 @@ def report_e2e(e2e: EndToEnd) -> None:
             else f"; {e2e.stalls[0]} stalls on full queues, {e2e.stalls[1]} throttle pauses"
         )
     )
+    series = e2e.timeline
+    if series["t_s"]:
+        say(
+            f"  timeline: {len(series['t_s'])} samples of GET /stats every "
+            f"{STATS_INTERVAL_S * 1000:.0f} ms ({e2e.timeline_failures} failed); at most "
+            f"{max(series['queued']):,.0f} records queued, "
+            f"{max(series['slab_bytes']) / 2**20:.1f} MiB of slab chunks in use"
+        )
 
 
 def report_raw(name: str, raw: RawOps, times: Sequence[float], mutations: int) -> None:
@@ -863,6 +886,10 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "ring_bytes_per_mutation": round(memory.ring_per_mutation, 1),
         "wire_bytes_per_mutation": round(e2e.wire_bytes / e2e.mutations, 1),
         "cores": os.cpu_count(),
+        "slab_pool_bytes": config.slab.pool_bytes,
+        "timeline_interval_s": STATS_INTERVAL_S,
+        "timeline_failures": e2e.timeline_failures,
+        "timeline": e2e.timeline,
     }
     summary["targets_met"] = {
         "e2e_vs_raw_ge_0.5": bool(summary["ratio_vs_raw"] and summary["ratio_vs_raw"] >= 0.5),
