@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench check-python check-java clean
+.PHONY: demo test lint bench check-python check-java clean fuzz
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory check-python
@@ -49,3 +49,8 @@ bench: $(BENCH_STAMP)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# The frame decoder's coverage-guided fuzz target (fuzz/README.md) for FUZZ_SECONDS.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(BIN)/python fuzz/frame_decoder.py -max_total_time=$(FUZZ_SECONDS)

@@ -448,6 +448,8 @@ def _decode_json(payload: bytes) -> dict[str, Any]:
         body = json.loads(payload)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, f"handshake is not JSON: {exc}") from None
+    except RecursionError:  # nested deeper than the parser goes, well within a frame
+        raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "handshake JSON is nested too deep") from None
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "handshake must be a JSON object")
     return body
@@ -488,7 +490,8 @@ def _failover_logs(value: Any, num_vbuckets: int) -> dict[int, tuple[tuple[int, 
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, "failover_logs must be a JSON object")
     logs = {}
     for key, entries in value.items():
-        if not key.isdigit() or int(key) >= num_vbuckets:
+        # isascii: str.isdigit() also accepts digits such as "²" that int() refuses.
+        if not (key.isascii() and key.isdigit()) or int(key) >= num_vbuckets:
             raise ProtocolError(
                 ErrorCode.BAD_HANDSHAKE, f"failover_logs: {key!r} is not a vbucket number"
             )
@@ -543,7 +546,8 @@ def _decode_handshake_reply(payload: bytes) -> HandshakeReply:
             int(body.get("flow_control_bytes", 0)),
             tuple(str(name) for name in body.get("builds", ())),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        # OverflowError: int() of an infinite number (1e999 reads as inf).
         raise ProtocolError(ErrorCode.BAD_HANDSHAKE, f"bad handshake reply: {exc}") from None
 
 
