@@ -48,8 +48,9 @@ BUILD_POOL_SHARE = 0.25
 SHARE_RETRY_S = 0.01
 """How often a build waiting for slab chunks looks again (it never queues in the pool)."""
 
-FLUSH_RECORDS = 20_000
-"""Records gathered from the channel into one build flush at most."""
+FLUSH_RECORDS = 2_048
+"""Records of one build flush at most: its WriteBatch is prepared on the event loop, and a
+larger one would hold maintenance's flushes and acks back that much longer."""
 
 CATCHUP_SLACK = 2_000
 """The build is in catch-up (and merged) once it trails maintenance by this many seqnos."""
@@ -259,16 +260,18 @@ class IndexBuild:
         `rearm`)."""
         self._reported = False
         while True:
-            batches: list[QueuedBatch | p.SnapshotMarker] = []
+            items: list[QueuedBatch | p.SnapshotMarker] = []
             with trio.move_on_after(CHECK_S):
-                batches.extend(await self._receive.receive())
-            while len(batches) < FLUSH_RECORDS:
-                try:
-                    batches.extend(self._receive.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            if batches:
-                await self._flush(batches)
+                items.extend(await self._receive.receive())
+            start = 0
+            try:
+                while start < len(items):
+                    stop = _piece_end(items, start, FLUSH_RECORDS)
+                    piece, start = items[start:stop], stop
+                    await self._flush(piece)  # it frees the piece, written or not
+            except BaseException:
+                self._free(items[start:])  # stopped: what was not flushed leaves the pool
+                raise
             if not self._reported and self.behind() <= CATCHUP_SLACK:
                 self.state = "catchup"
                 self._reported = True
@@ -308,3 +311,16 @@ class IndexBuild:
     def forget(self) -> None:
         """The build ended (merged or dropped): its progress record goes (blocking)."""
         self.store.write((), [progress_key(self.index)])
+
+
+def _piece_end(items: Sequence[QueuedBatch | p.SnapshotMarker], start: int, records: int) -> int:
+    """The end of the piece of `items` from `start` holding about `records` records: whole
+    batches, at least one."""
+    count = 0
+    for i in range(start, len(items)):
+        item = items[i]
+        if type(item) is QueuedBatch:
+            if count and count + len(item.chunks) > records:
+                return i
+            count += len(item.chunks)
+    return len(items)

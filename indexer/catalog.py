@@ -30,7 +30,7 @@ from workers.worker import IndexChange, StreamItem, Worker
 
 log = logging.getLogger("indexer.catalog")
 
-MAINTENANCE_BACKLOG = 5_000
+MAINTENANCE_BACKLOG = 1_000
 """Queued maintenance records above which index builds wait: keeping indexes current comes
 first."""
 
