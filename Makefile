@@ -54,3 +54,13 @@ clean:
 FUZZ_SECONDS ?= 60
 fuzz: $(STAMP)
 	$(BIN)/python fuzz/frame_decoder.py -max_total_time=$(FUZZ_SECONDS)
+
+# The long crash loop (tests/e2e/crashloop.py): the daemon killed with SIGKILL SOAK_KILLS times
+# (and for at least SOAK_SECONDS) under a running feed; prints the kills survived and the
+# mismatches with the model, and fails unless there are none.
+SOAK_KILLS ?= 200
+SOAK_SECONDS ?= 0
+SOAK_SEED ?= 1
+.PHONY: soak
+soak: $(STAMP)
+	$(BIN)/python -m tests.e2e.crashloop --kills $(SOAK_KILLS) --seconds $(SOAK_SECONDS) --seed $(SOAK_SEED)

@@ -150,6 +150,8 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             )
             for i in range(config.pipeline.workers)
         ]
+        # Paused reads resume when neither RSS nor the queues move (slab/throttle.py, SETTLE_S).
+        throttle.queued = lambda: sum(w.ring.queued for w in workers)
         registry = StreamRegistry(server.owned_vbuckets, restart.seqnos, state.failover_logs)
         timekeeper = Timekeeper(
             hwt,

@@ -14,8 +14,10 @@ docids with array operations (see `scans.entry_batches`).
 from __future__ import annotations
 
 import json
+import shutil
 import struct
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,19 @@ _META_FORMAT = b"\x00meta:format"
 # 2: main entries end with the docid's length (keys.entry_tail); 1 (no marker): they do not.
 ENTRY_FORMAT = 2
 _ID = struct.Struct(">H")
+# What a failed write raises: plyvel.IOError (an OSError), "IO error: FILE: No space left on
+# device" when the disk is full.
+StoreWriteError = plyvel.IOError
+# A key range no entry is in: compacting it only writes the memtable out and starts a new log.
+_LOG_SWITCH = (b"\xff\xfflog-switch", b"\xff\xfflog-switch\xff")
+_LOG_SWITCH_MARGIN = 1 << 20
+
+
+def describe(exc: BaseException) -> str:
+    """An error as one line of text (plyvel gives its messages as bytes)."""
+    if exc.args and isinstance(exc.args[0], bytes):
+        return exc.args[0].decode(errors="replace")
+    return str(exc) or type(exc).__name__
 
 
 class StoreError(Exception):
@@ -95,6 +110,11 @@ class IndexStore:
             path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.db = open_leveldb(path, create)
+        # Failed writes so far, and how many of them a log switch has left behind (see commit).
+        self._write_lock = threading.Lock()
+        self._switch_lock = threading.Lock()
+        self._failed_writes = 0
+        self._switched_writes = 0
         self._indexes: dict[str, StoredIndex] = {}
         raw = self.db.get(_META_INDEXES)
         if raw is not None:
@@ -229,11 +249,51 @@ class IndexStore:
 
     def write(self, puts: Sequence[tuple[bytes, bytes]], deletes: Sequence[bytes]) -> None:
         """Apply deletes then puts as one WriteBatch (blocking: call it from a worker thread)."""
-        with self.db.write_batch() as batch:
-            for key in deletes:
-                batch.delete(key)
-            for key, value in puts:
-                batch.put(key, value)
+        batch = self.db.write_batch()
+        for key in deletes:
+            batch.delete(key)
+        for key, value in puts:
+            batch.put(key, value)
+        self.commit(batch)
+
+    def commit(self, batch: Any) -> None:
+        """Write a WriteBatch of `write_batch()` (blocking).
+
+        A failed write (a full disk) may leave a torn record at the end of LevelDB's log, and
+        records appended after it are unreadable at recovery: the first write after a failure
+        moves LevelDB to a new log (the memtable is written out), so nothing synced is lost.
+        """
+        self._guarded(batch.write)
+
+    def _guarded(self, write: Callable[[], None]) -> None:
+        try:
+            if self._failed_writes > self._switched_writes:
+                self._switch_log()
+            write()
+        except StoreWriteError:
+            with self._write_lock:
+                self._failed_writes += 1
+            raise
+
+    def _switch_log(self) -> None:
+        """Write the memtable out to a table and start a new log (blocking).
+
+        LevelDB keeps a failed compaction's error until it is reopened, so this is tried only
+        with room for the memtable's table; a failure shows in the write that follows.
+        """
+        with self._switch_lock:
+            seen = self._failed_writes
+            if seen <= self._switched_writes:
+                return  # another thread switched after these failures
+            logs = sum(f.stat().st_size for f in self.path.glob("*.log"))
+            free = shutil.disk_usage(self.path).free
+            if free < logs + _LOG_SWITCH_MARGIN:
+                raise StoreWriteError(
+                    f"IO error: {self.path}: No space left on device ({free} bytes free, "
+                    f"{logs + _LOG_SWITCH_MARGIN} needed to start a new log)".encode()
+                )
+            self.db.compact_range(start=_LOG_SWITCH[0], stop=_LOG_SWITCH[1])
+            self._switched_writes = seen
 
     def write_batch(self) -> Any:
         """A plyvel WriteBatch; `write()` on it releases the GIL."""
@@ -245,7 +305,7 @@ class IndexStore:
 
     def sync(self) -> None:
         """Make every earlier write durable (a synchronous write syncs LevelDB's log)."""
-        self.db.put(_META_SYNC, b"", sync=True)
+        self._guarded(lambda: self.db.put(_META_SYNC, b"", sync=True))
 
     def get(self, key: bytes) -> bytes | None:
         value: bytes | None = self.db.get(key)

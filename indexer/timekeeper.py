@@ -28,12 +28,13 @@ from indexer.snapshots import (
     StabilityTimestamp,
     write_snapshot_file,
 )
-from indexer.storage import IndexStore, StoredIndex
+from indexer.storage import IndexStore, StoredIndex, describe
 
 if TYPE_CHECKING:
     from workers.worker import Worker
 
 log = logging.getLogger("indexer.timekeeper")
+PERSIST_FAILURE_LOG_S = 10.0
 
 
 class HighWaterTimestamp:
@@ -107,6 +108,8 @@ class TimekeeperStatistics:
     puts: int
     deletes: int
     entry_counts: tuple[int, ...]
+    persist_errors: int = 0  # failed persists (a full disk), each tried again at the next cut
+    persist_failing: bool = False  # the last persist failed: acknowledgements wait
 
 
 class Timekeeper:
@@ -149,6 +152,9 @@ class Timekeeper:
         self._deletes = 0
         self.entry_counts = list(entry_counts)
         self.indexes = indexes  # the live list, in the order of entry_counts
+        self._persist_failures = 0  # in a row
+        self._persist_errors = 0
+        self._persist_failure_logged = 0.0
 
     def stop(self) -> None:
         """Ask `run` to flush what is stable, persist it and return."""
@@ -294,15 +300,26 @@ class Timekeeper:
                 older = state.points[: max(recovery.keep - 1, 0)]
                 new_state = PersistedState(point, older, recovery.failover_logs())
                 await trio.to_thread.run_sync(write_snapshot_file, self.data_dir, new_state)
+            except OSError as exc:
+                # A full disk: nothing new is acknowledged, and the next cut tries again.
+                self._persist_failed(exc)
+                return False
+            else:
                 recovery.state = new_state
                 recovery.points.advance(point.point)
                 lag = time.time() - stable.created_at
                 self.snapshots.record_persisted(stable, lag)
             finally:
                 stable.release()
+        if self._persist_failures:
+            log.warning("snapshots persist again after %d failures", self._persist_failures)
+            self._persist_failures = 0
         stale = recovery.points.take_below(new_state.points[-1].point)
         if stale:
-            await trio.to_thread.run_sync(self.store.write, (), stale)
+            try:
+                await trio.to_thread.run_sync(self.store.write, (), stale)
+            except OSError as exc:  # the undo records stay: a little space, no harm
+                log.warning("could not prune %d undo records: %s", len(stale), describe(exc))
         log.info(
             "snapshot persisted: seqnos summing to %d, lag %.0f ms, sync %.0f ms",
             ts.total,
@@ -310,6 +327,21 @@ class Timekeeper:
             (time.time() - started) * 1000,
         )
         return True
+
+    def _persist_failed(self, exc: OSError) -> None:
+        """Log a failed persist: the first of a run, then every PERSIST_FAILURE_LOG_S."""
+        self._persist_failures += 1
+        self._persist_errors += 1
+        now = time.monotonic()
+        since = now - self._persist_failure_logged
+        if self._persist_failures == 1 or since >= PERSIST_FAILURE_LOG_S:
+            self._persist_failure_logged = now
+            log.error(
+                "cannot persist a snapshot (%d attempts): %s; acknowledgements wait until it "
+                "succeeds",
+                self._persist_failures,
+                describe(exc),
+            )
 
     @asynccontextmanager
     async def stopped_flushes(self) -> AsyncIterator[None]:
@@ -333,4 +365,6 @@ class Timekeeper:
             puts=self._puts,
             deletes=self._deletes,
             entry_counts=tuple(self.entry_counts),
+            persist_errors=self._persist_errors,
+            persist_failing=self._persist_failures > 0,
         )

@@ -23,6 +23,13 @@ log = logging.getLogger("indexer.throttle")
 
 MiB = 1 << 20
 
+# Paused this long with neither RSS falling (by SETTLE_DROP_BYTES) nor the queues moving, pausing
+# no longer helps: the memory is held outside the queues (caches, freed memory the allocator
+# keeps for reuse). Reads (and scans) resume then, and pause again once RSS grows a band
+# (high - low) past it.
+SETTLE_S = 2.0
+SETTLE_DROP_BYTES = 1 * MiB
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -136,6 +143,8 @@ class ThrottleStatistics:
     quota_bytes: int
     high_bytes: int
     low_bytes: int
+    settled_resumes: int = 0  # resumes with RSS above the low mark: pausing could not lower it
+    retained_bytes: int = 0  # RSS at the last of them (0 once below the low mark)
 
 
 def _psutil_sampler() -> Callable[[], tuple[int, int]]:
@@ -170,6 +179,14 @@ class MemoryThrottle:
         self._resumes = 0
         self._rss = 0
         self._available = 0
+        # Mutations queued in the pipeline (the daemon sets it). Without it reads stay paused
+        # until RSS falls below the low mark, however long that takes.
+        self.queued: Callable[[], int] | None = None
+        self._retained = 0
+        self._settled = 0
+        self._settle_since: float | None = None
+        self._settle_rss = 0
+        self._settle_queued = 0
 
     @property
     def paused(self) -> bool:
@@ -181,10 +198,23 @@ class MemoryThrottle:
         rss, available = self._sample()
         self._rss = rss
         self._available = available
-        paused = self.policy.decide(self._paused, rss, available)
+        p = self.policy
+        paused = p.decide(self._paused, rss, available)
+        if rss <= p.low_bytes:
+            self._retained = 0
+        if self._paused and paused and self._settled_now(rss, available):
+            self._resume_settled(rss)
+            return False
+        if (
+            paused
+            and not self._paused
+            and available >= p.min_available_bytes
+            and rss < self._retained + p.high_bytes - p.low_bytes
+        ):
+            paused = False  # not grown a band past what pausing could not lower
         if paused != self._paused:
-            p = self.policy
             self._paused = paused
+            self._settle_since = None
             if paused:
                 self._pauses += 1
                 self._open = trio.Event()
@@ -212,6 +242,45 @@ class MemoryThrottle:
                 )
         return paused
 
+    def _resume_settled(self, rss: int) -> None:
+        """Resume with RSS above the low mark: pausing could not lower it (see SETTLE_S)."""
+        p = self.policy
+        self._paused = False
+        self._resumes += 1
+        self._settled += 1
+        self._retained = rss
+        self._settle_since = None
+        ev, self._open = self._open, None
+        if ev is not None:
+            ev.set()
+        log.warning(
+            "memory throttle: resuming reads: rss %.1f MiB stayed above the low mark (%.1f MiB)"
+            " for %.0f s with the queues still, so pausing cannot lower it (caches, memory the"
+            " allocator keeps); reads pause again past %.1f MiB. Raise memory.quota if this"
+            " repeats",
+            rss / MiB,
+            p.low_bytes / MiB,
+            SETTLE_S,
+            (rss + p.high_bytes - p.low_bytes) / MiB,
+        )
+
+    def _settled_now(self, rss: int, available: int) -> bool:
+        """Whether pausing stopped helping: for SETTLE_S neither RSS fell nor the queues moved
+        (they may hold only incomplete snapshots, which wait for more input)."""
+        queued = self.queued
+        if queued is None or available < self.policy.resume_available_bytes:
+            self._settle_since = None
+            return False
+        now, items = trio.current_time(), queued()
+        if (
+            self._settle_since is None
+            or rss < self._settle_rss - SETTLE_DROP_BYTES
+            or items != self._settle_queued
+        ):
+            self._settle_since, self._settle_rss, self._settle_queued = now, rss, items
+            return False
+        return now - self._settle_since >= SETTLE_S
+
     async def run(self) -> None:
         """Sample forever, every ``interval_s`` seconds (start it in the daemon's nursery)."""
         while True:
@@ -238,4 +307,6 @@ class MemoryThrottle:
             quota_bytes=p.quota_bytes,
             high_bytes=p.high_bytes,
             low_bytes=p.low_bytes,
+            settled_resumes=self._settled,
+            retained_bytes=self._retained,
         )

@@ -5,6 +5,8 @@ under now; an unchanged key is skipped, a changed one deletes the old main entry
 new one, a delete removes both. Superseded mutations of a document inside the flushed range are
 skipped: only its last one is written.
 
+A failed write (a full disk) keeps its batch and is retried with backoff (`BatchWrites`).
+
 The back index is read from memory (`BackIndexCache`), not from LevelDB per mutation: while the
 whole back index fits in the cache, a miss means "not indexed"; beyond that, misses are read
 from the store in key order in the flush thread.
@@ -12,17 +14,25 @@ from the store in key order in the flush thread.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 from typing import Any
+
+import trio
 
 from indexer.keys import entry_tail
 from indexer.protocol import OP_DELETE, queued_layout
 from indexer.recovery import UndoLog, encode_undo
-from indexer.storage import IndexStore, StoredIndex
+from indexer.storage import IndexStore, StoredIndex, StoreWriteError, describe
 
 Keys = tuple[bytes, ...]
+
+log = logging.getLogger("indexer.flush")
 
 
 class BackIndexCache:
@@ -234,3 +244,128 @@ class IndexWriter:
         batch, result = self.prepare(memoryview(blob), offsets)
         batch.write()
         return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing a flush's batch, through write errors
+
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 2.0
+FAILURE_LOG_INTERVAL_S = 10.0
+
+# Fault injection for the fault tests (docs/testing.md), read from the environment at start;
+# never set in production. Every flush write sleeps INDEXER_FAULT_SLOW_WRITE_MS first (slow
+# storage), and fails as LevelDB does on a full disk while INDEXER_FAULT_ENOSPC_FILE exists.
+FAULT_SLOW_WRITE_MS = "INDEXER_FAULT_SLOW_WRITE_MS"
+FAULT_ENOSPC_FILE = "INDEXER_FAULT_ENOSPC_FILE"
+
+
+@dataclass(frozen=True)
+class InjectedFaults:
+    """The fault-injection settings (test only): a delay per write, a file meaning "disk full"."""
+
+    slow_write_s: float = 0.0
+    enospc_file: Path | None = None
+
+    @classmethod
+    def from_environment(cls) -> InjectedFaults:
+        """The settings the daemon's environment asks for (none, normally)."""
+        slow = os.environ.get(FAULT_SLOW_WRITE_MS, "")
+        enospc = os.environ.get(FAULT_ENOSPC_FILE, "")
+        return cls(float(slow) / 1000 if slow else 0.0, Path(enospc) if enospc else None)
+
+    @property
+    def active(self) -> bool:
+        """Whether any fault is injected (the daemon then says so in its log)."""
+        return bool(self.slow_write_s or self.enospc_file)
+
+    def before_write(self, store: IndexStore) -> None:
+        """Sleep, or fail with the error plyvel raises on ENOSPC (blocking: in the write thread)."""
+        if self.slow_write_s:
+            time.sleep(self.slow_write_s)
+        if self.enospc_file is not None and self.enospc_file.exists():
+            raise StoreWriteError(
+                f"IO error: {store.path}/000000.log: No space left on device (injected)".encode()
+            )
+
+
+
+@dataclass(frozen=True)
+class WriteStatistics:
+    """Failed writes of one worker: how many in all, whether one is being retried, the last."""
+
+    write_errors: int
+    write_failing: bool
+    write_error: str | None
+
+
+class BatchWrites:
+    """Writes one worker's flushes to the store, keeping a batch through write errors.
+
+    A failed write (a full disk) is retried with backoff until it succeeds, never dropped: its
+    chunks stay queued, so the persisted snapshot (and every ACK) waits for it, the slab pool
+    fills, reads stall and routers keep what they sent. The log says why; `/stats` shows it.
+    """
+
+    def __init__(self, worker: int, faults: InjectedFaults | None = None) -> None:
+        self.worker = worker
+        self.faults = InjectedFaults.from_environment() if faults is None else faults
+        self.errors = 0
+        self.failing = False
+        self.last_error: str | None = None
+        if self.faults.active and worker == 0:
+            log.warning("fault injection on (tests only): %s", self.faults)
+
+    def _write(self, store: IndexStore, batch: Any) -> None:
+        """One attempt (blocking: in a worker thread)."""
+        self.faults.before_write(store)
+        store.commit(batch)
+
+    async def write(self, store: IndexStore, batch: Any, mutations: int) -> None:
+        """Write `batch` (of `mutations` queued mutations), retrying until it is written."""
+        delay = RETRY_FIRST_S
+        failed_at = logged_at = 0.0
+        attempts = 0
+        while True:
+            try:
+                await trio.to_thread.run_sync(self._write, store, batch)
+            except StoreWriteError as exc:
+                now = time.monotonic()
+                attempts += 1
+                self.errors += 1
+                self.last_error = describe(exc)
+                if not self.failing:
+                    self.failing = True
+                    failed_at = logged_at = now
+                    log.error(
+                        "store write failed: %s; worker %d keeps its batch of %d mutations and "
+                        "retries (nothing more is acknowledged, reads stall as queues fill)",
+                        self.last_error,
+                        self.worker,
+                        mutations,
+                    )
+                elif now - logged_at >= FAILURE_LOG_INTERVAL_S:
+                    logged_at = now
+                    log.error(
+                        "store write still failing after %d attempts in %.0f s: %s (worker %d)",
+                        attempts,
+                        now - failed_at,
+                        self.last_error,
+                        self.worker,
+                    )
+                await trio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            if self.failing:
+                self.failing = False
+                log.warning(
+                    "store write succeeded after %d failed attempts in %.1f s: worker %d resumes",
+                    attempts,
+                    time.monotonic() - failed_at,
+                    self.worker,
+                )
+            return
+
+    def statistics(self) -> WriteStatistics:
+        """Failed writes so far, for /stats."""
+        return WriteStatistics(self.errors, self.failing, self.last_error)

@@ -19,7 +19,7 @@ import trio
 from indexer.protocol import MutationBatch, SnapshotMarker, StreamBegin
 from indexer.timekeeper import HighWaterTimestamp
 from slab import MutationRing, SlabPool
-from workers.flush import FlushResult, IndexWriter
+from workers.flush import BatchWrites, FlushResult, IndexWriter
 
 
 class IndexChange:
@@ -56,6 +56,9 @@ class WorkerStatistics:
     flushes: int
     stalls: int
     blocked: bool
+    write_errors: int  # failed store writes (a full disk), each retried
+    write_failing: bool  # a flush's write is failing now: nothing more is acknowledged
+    write_error: str | None  # the last write error
 
 
 class Worker:
@@ -74,6 +77,7 @@ class Worker:
         self.ring = ring
         self.hwt = hwt
         self.writer = writer
+        self.writes = BatchWrites(number)
         self.blocked = False
         self._enqueued = 0
         self._flushed = 0
@@ -127,13 +131,14 @@ class Worker:
         if not chunks:
             return None
         batch, result = self.writer.prepare(self.pool.records, chunks)
-        await trio.to_thread.run_sync(batch.write)
+        await self.writes.write(self.writer.store, batch, len(chunks))
         self.pool.free_many(chunks, lengths)
         self._flushed += len(chunks)
         self._flushes += 1
         return result
 
     def statistics(self) -> WorkerStatistics:
+        writes = self.writes.statistics()
         return WorkerStatistics(
             worker=self.number,
             queued=self.ring.queued,
@@ -142,4 +147,7 @@ class Worker:
             flushes=self._flushes,
             stalls=self._stalls,
             blocked=self.blocked,
+            write_errors=writes.write_errors,
+            write_failing=writes.write_failing,
+            write_error=writes.write_error,
         )

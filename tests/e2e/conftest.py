@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -276,3 +277,50 @@ def wait_equal(daemon: Daemon, documents: list[Document], timeout: float = WAIT_
             name: (len(got[name]), len(want[name])) for name in INDEXES
         }
         time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fault and memory tests: the daemon's statistics and its RSS over time
+
+
+def daemon_stats(daemon: Daemon) -> dict[str, Any]:
+    """The daemon's `GET /stats`."""
+    answer = httpx.get(f"{daemon.url}/stats", timeout=30)
+    assert answer.status_code == 200, answer.text
+    stats: dict[str, Any] = answer.json()
+    return stats
+
+
+class RssSampler:
+    """Samples a process's RSS every `interval` seconds in a thread, while inside `with`."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        import psutil
+
+        self.process = psutil.Process(pid)
+        self.interval = interval
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                self.samples.append(int(self.process.memory_info().rss))
+            except psutil.NoSuchProcess:
+                return
+            self._stop.wait(self.interval)
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -21,6 +21,16 @@ VBUCKETS = (11, 222, 333)
 FAST_PERSIST = {"snapshots": {"persist_interval_ms": 100, "in_memory_interval_ms": 20}}
 
 
+def random_body(rng: random.Random) -> dict[str, object] | None:
+    """A document of the test indexes' shape, or None (a delete) one time in ten."""
+    if rng.random() < 0.1:
+        return None
+    return {
+        "address": {"city": rng.choice(["Oslo", "Rome", "Lima", "Kyiv"])},
+        "age": rng.randint(18, 90),
+    }
+
+
 class Source:
     """Documents per vbucket in seqno order, and each vbucket's failover log (newest first)."""
 
@@ -42,14 +52,7 @@ class Source:
     def write(self, vb: int, count: int) -> None:
         for _ in range(count):
             docid = self.rng.choice(self.docids[vb])
-            body = (
-                None
-                if self.rng.random() < 0.1
-                else {
-                    "address": {"city": self.rng.choice(["Oslo", "Rome", "Lima", "Kyiv"])},
-                    "age": self.rng.randint(18, 90),
-                }
-            )
+            body = random_body(self.rng)
             self.history[vb].append(Document(docid, body))
 
     def failover(self, vb: int, at: int, forget_all: bool = False) -> None:
