@@ -416,11 +416,17 @@ async def _keep_streaming(
 
 
 class DocsApi:
-    """The ASGI app of the router: PUT and DELETE /docs/ID, POST /failover/VB, GET /stats."""
+    """The ASGI app of the router: PUT and DELETE /docs/ID, POST /failover/VB, GET /stats.
 
-    def __init__(self, appender: Appender, nodes: Nodes) -> None:
+    With a `token` (the router's --token, the one its nodes require), every call but GETs needs
+    `Authorization: Bearer TOKEN`: otherwise 401 and nothing changes.
+    """
+
+    def __init__(self, appender: Appender, nodes: Nodes, token: str = "") -> None:
         self.appender = appender
         self.nodes = nodes
+        self.token = token
+        self.refused = 0
 
     async def __call__(
         self,
@@ -438,11 +444,37 @@ class DocsApi:
                     return
         if scope["type"] != "http":
             return
-        status, answer = await self.handle(scope["method"], scope, receive)
-        body = json.dumps(answer).encode() + b"\n"
         headers = [(b"content-type", b"application/json")]
+        if self._authorized(scope):
+            status, answer = await self.handle(scope["method"], scope, receive)
+        else:
+            status = 401
+            answer = {"error": "this router requires Authorization: Bearer TOKEN for changes"}
+            headers.append((b"www-authenticate", b'Bearer realm="indexer-router"'))
+        body = json.dumps(answer).encode() + b"\n"
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _authorized(self, scope: dict[str, Any]) -> bool:
+        """Whether the request may go on: a read, no token configured, or the right bearer
+        token (compared in constant time; refusals are logged, never the token)."""
+        if not self.token or scope["method"] in ("GET", "HEAD"):
+            return True
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, presented = given.partition(" ")
+        if scheme.lower() == "bearer" and p.token_matches(presented.strip(), self.token):
+            return True
+        self.refused += 1
+        client = scope.get("client") or ("?", 0)
+        log.warning(
+            "refused %s %s from %s: %s bearer token",
+            scope["method"],
+            scope["path"],
+            client[0],
+            "a wrong" if given else "no",
+        )
+        return False
 
     async def handle(
         self, method: str, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]]
@@ -524,6 +556,7 @@ class DocsApi:
             "nodes": {
                 name: dataclasses.asdict(progress) for name, progress in self.nodes.progress.items()
             },
+            "http_refused": self.refused,
             "expiry": {
                 "pending": source.pending_expiries,
                 "expired": self.appender.expired,
@@ -556,9 +589,11 @@ async def serve_http(
     address: Address,
     appender: Appender,
     nodes: Nodes,
+    token: str = "",
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The documents API under hypercorn until cancelled; reports the bound address."""
+    """The documents API under hypercorn until cancelled; reports the bound address. With a
+    token, changes need it as a bearer token."""
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -568,7 +603,7 @@ async def serve_http(
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger("indexer.router.http")
     hyper.graceful_timeout = 1.0
-    app = DocsApi(appender, nodes)
+    app = DocsApi(appender, nodes, token)
 
     async def started(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(app, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
@@ -653,7 +688,9 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                 nodes.on_not_my_slice = watch.poke
                 nursery.start_soon(watch.run, reconcile)
             if options.http is not None:
-                url = await nursery.start(serve_http, options.http, appender, nodes)
+                url = await nursery.start(
+                    serve_http, options.http, appender, nodes, options.security.token
+                )
                 log.info(
                     "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats)",
                     url,

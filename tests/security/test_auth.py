@@ -15,6 +15,7 @@ import pytest
 
 from indexer import protocol as p
 from indexer.router import Workload, generate
+from indexer.router.documents import Document
 from indexer.spark import Access, IndexerSourceError, index_keys, pinned
 from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model, run_feed, write_jsonl
 from tests.security.conftest import (
@@ -220,4 +221,36 @@ def test_scan_token_required_closes_every_read_but_health(
         assert pinned_rows["count"] == len(want)
     assert httpx.get(f"{url}/snapshots", headers=bearer()).json()["pinned"] == []  # released
     assert TOKEN not in daemon.log()
+    assert daemon.stop() == 0
+
+
+def test_the_routers_own_http_changes_need_its_token(
+    daemon_factory: Any, routers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`indexer router --http` with a token: PUT, DELETE and failover need it as a bearer
+    token (401, logged, nothing appended otherwise); GET /stats does not."""
+    daemon = daemon_factory(security={"token": TOKEN}).start()
+    monkeypatch.setenv("INDEXER_TOKEN", TOKEN)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--to", daemon.address, "--http", "127.0.0.1:0"
+    )
+    (url,) = router.wait_log(r"router API on (http://\S+)")
+    good = {"authorization": f"Bearer {TOKEN}"}
+    doc = {"address": {"city": "Oslo"}, "age": 3}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for headers in ({}, {"authorization": f"Bearer {WRONG_TOKEN}"}, {"authorization": TOKEN}):
+            put = client.put("/docs/a", json=doc, headers=headers)
+            assert put.status_code == 401, put.text
+            assert put.headers["www-authenticate"].startswith("Bearer")
+            assert client.delete("/docs/a", headers=headers).status_code == 401
+            assert client.post("/failover/1", headers=headers).status_code == 401
+        stats = client.get("/stats").json()
+        assert stats["http_refused"] == 9 and stats["source"]["high_seqno_sum"] == 0
+        put = client.put("/docs/a", json=doc, headers=good)
+        assert put.status_code == 200, put.text
+        assert client.get("/stats").json()["source"]["high_seqno_sum"] == 1
+    wait_rows(daemon.url, "by_age", model([Document("a", doc)], INDEXES["by_age"]))
+    assert router.stop() == 0
+    log = router.log()
+    assert "refused PUT /docs/a" in log and TOKEN not in log and WRONG_TOKEN not in log
     assert daemon.stop() == 0
