@@ -372,23 +372,22 @@ def _feed_input(
 ) -> None:
     """The feed without state: number the input's documents and stream them."""
     from indexer.router import feed as run_feed
-    from indexer.router.feed import feed_security
 
     host, port = target
     with _progress_bar(total, "feeding") as bar:
 
         async def run() -> Any:
-            with feed_security(security):
-                return await run_feed(
-                    host,
-                    port,
-                    documents,
-                    wait_persisted=wait == "persisted",
-                    wait_visible=wait == "visible",
-                    progress=bar.update,
-                    num_vbuckets=vbuckets,
-                    on_rollback=_rolled_back,
-                )
+            return await run_feed(
+                host,
+                port,
+                documents,
+                wait_persisted=wait == "persisted",
+                wait_visible=wait == "visible",
+                progress=bar.update,
+                num_vbuckets=vbuckets,
+                on_rollback=_rolled_back,
+                security=security,
+            )
 
         result = _run_feed(run)
     _report(result)
@@ -409,7 +408,6 @@ def _feed_state(
 
     from indexer.router import SourceError, SourceLog, feed_log
     from indexer.router.documents import DocumentError
-    from indexer.router.feed import feed_security
 
     try:  # only a command that adds documents creates the log
         log = SourceLog(state, vbuckets, create=documents is not None)
@@ -441,15 +439,15 @@ def _feed_state(
         host, port = target
 
         async def run() -> Any:
-            with feed_security(security):
-                return await feed_log(
-                    host,
-                    port,
-                    log,
-                    wait_persisted=wait == "persisted",
-                    wait_visible=wait == "visible",
-                    on_rollback=_rolled_back,
-                )
+            return await feed_log(
+                host,
+                port,
+                log,
+                wait_persisted=wait == "persisted",
+                wait_visible=wait == "visible",
+                on_rollback=_rolled_back,
+                security=security,
+            )
 
         result = _run_feed(run)
     _report(result)

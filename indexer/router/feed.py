@@ -8,19 +8,18 @@ exactly what the indexer reported as persisted. `LogEncoder` streams a router's 
 (`source.py`): stored seqnos and vbuuids, with failover logs in the handshake. `feed` and
 `feed_log` move those frames over TCP and read acks; `follow_log` keeps its connection and
 streams a live log's appends as they come (the long-running router, `service.py`). Every
-connection uses the `FeedSecurity` in force (`feed_security`): the indexer's shared token in
-the handshake, TLS when it has a context.
+connection uses its settings' `FeedSecurity`: the indexer's shared token in the handshake, TLS
+when it has a context.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import ssl
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from contextlib import closing, contextmanager, suppress
+from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
 
@@ -56,29 +55,6 @@ class FeedSecurity:
 
     token: str = field(default="", repr=False)
     ssl_context: ssl.SSLContext | None = None
-
-
-# The security of the feeds started in a context and the tasks it starts (trio copies the
-# context into every task it spawns). A context variable rather than an argument: the node
-# streams of `indexer router` reach `_connection` through code that carries no such option.
-_SECURITY: contextvars.ContextVar[FeedSecurity | None] = contextvars.ContextVar(
-    "feed_security", default=None
-)
-
-
-def current_security() -> FeedSecurity:
-    """The security in force: the innermost `feed_security` block's, else none."""
-    return _SECURITY.get() or FeedSecurity()
-
-
-@contextmanager
-def feed_security(security: FeedSecurity) -> Iterator[None]:
-    """Feeds and router streams started inside this block use `security`."""
-    reset = _SECURITY.set(security)
-    try:
-        yield
-    finally:
-        _SECURITY.reset(reset)
 
 
 def default_vbuuid(vbucket: int) -> int:
@@ -358,6 +334,8 @@ class FeedSettings:
     wait_visible: bool = False
     # Ask for flow control: keep within the indexer's window of unacknowledged bytes.
     flow_control: bool = True
+    # The indexer's token and how its TLS certificate is checked.
+    security: FeedSecurity = field(default_factory=FeedSecurity)
 
 
 @dataclass(frozen=True)
@@ -474,6 +452,7 @@ async def feed(
     on_rollback: Callable[[int, int], None] | None = None,
     wait_visible: bool = False,
     flow_control: bool = True,
+    security: FeedSecurity | None = None,
 ) -> FeedResult:
     """Stream `documents` to the indexer at host:port; with `wait_persisted`, return only once
     an ack says everything sent is in a persisted snapshot; with `wait_visible`, once a barrier
@@ -484,7 +463,14 @@ async def feed(
     the new index keys, and resumes from the restart timestamp.
     """
     settings = FeedSettings(
-        wait_persisted, router_name, progress, num_vbuckets, on_rollback, wait_visible, flow_control
+        wait_persisted,
+        router_name,
+        progress,
+        num_vbuckets,
+        on_rollback,
+        wait_visible,
+        flow_control,
+        security or FeedSecurity(),
     )
     n = num_vbuckets
     # Ask for every vbucket; the reply says which this node owns and where each resumes.
@@ -517,6 +503,7 @@ async def feed_log(
     on_rollback: Callable[[int, int], None] | None = None,
     wait_visible: bool = False,
     flow_control: bool = True,
+    security: FeedSecurity | None = None,
 ) -> FeedResult:
     """Stream what the indexer at host:port lacks of `log`: the handshake carries the failover
     log of every vbucket with history, each stream begins with the current vbuuid and resumes
@@ -524,7 +511,14 @@ async def feed_log(
     """
     n = log.num_vbuckets
     settings = FeedSettings(
-        wait_persisted, router_name, progress, n, on_rollback, wait_visible, flow_control
+        wait_persisted,
+        router_name,
+        progress,
+        n,
+        on_rollback,
+        wait_visible,
+        flow_control,
+        security or FeedSecurity(),
     )
 
     def start(reply: p.HandshakeReply) -> tuple[_Encoder, Iterator[tuple[list[bytes], int]]]:
@@ -549,13 +543,12 @@ async def _feed_once(
     async def run(peer: _Peer) -> FeedResult:
         return await _run(peer.stream, peer, handshake, start, settings)
 
-    return await _connection(host, port, run)
+    return await _connection(host, port, run, settings.security)
 
 
-async def _connect(host: str, port: int) -> trio.abc.Stream:
+async def _connect(host: str, port: int, context: ssl.SSLContext | None) -> trio.abc.Stream:
     """A TCP connection to the indexer, with TLS (handshake made, certificate checked) when
-    the security in force has a context."""
-    context = current_security().ssl_context
+    given a context."""
     try:
         tcp = await trio.open_tcp_stream(host, port)
     except OSError as exc:
@@ -572,9 +565,11 @@ async def _connect(host: str, port: int) -> trio.abc.Stream:
     return stream
 
 
-async def _connection(host: str, port: int, run: Callable[[_Peer], Awaitable[_T]]) -> _T:
+async def _connection(
+    host: str, port: int, run: Callable[[_Peer], Awaitable[_T]], security: FeedSecurity
+) -> _T:
     """Connect and `run` the conversation; connection failures become a FeedError."""
-    stream = await _connect(host, port)
+    stream = await _connect(host, port, security.ssl_context)
     async with stream:
         peer = _Peer(stream)
         try:
@@ -647,7 +642,7 @@ async def _handshake(
 ) -> p.HandshakeReply:
     """Send the handshake (with the token in force, if any), read the reply, report rollbacks
     and open the flow-control window."""
-    token = handshake.token or current_security().token
+    token = handshake.token or settings.security.token
     handshake = dataclasses.replace(handshake, flow_control=settings.flow_control, token=token)
     await peer.send(p.encode(handshake))  # the window counts the handshake too
     reply = await peer.next_message()
@@ -716,6 +711,7 @@ async def follow_log(
     router_name: str = "indexer-router",
     on_rollback: Callable[[int, int], None] | None = None,
     on_connected: Callable[[p.HandshakeReply, int], None] | None = None,
+    security: FeedSecurity | None = None,
 ) -> NoReturn:
     """Stream `log` to the indexer at host:port like `feed_log`, then keep the connection and
     stream each append as it comes, until cancelled or a FeedError (one connection, no retry).
@@ -725,7 +721,12 @@ async def follow_log(
     idle, it ends the streams (STREAM_END) before closing.
     """
     n = log.num_vbuckets
-    settings = FeedSettings(router_name=router_name, num_vbuckets=n, on_rollback=on_rollback)
+    settings = FeedSettings(
+        router_name=router_name,
+        num_vbuckets=n,
+        on_rollback=on_rollback,
+        security=security or FeedSecurity(),
+    )
     # Every vbucket, so the restart positions of those first used later are known too.
     vbuckets = log.vbuckets_with_history()
     logs = {vb: log.failover_log(vb) for vb in vbuckets}
@@ -756,4 +757,4 @@ async def follow_log(
                     with suppress(Exception):
                         await peer.stream.send_all(b"".join(ends))
 
-    await _connection(host, port, run)
+    await _connection(host, port, run, settings.security)

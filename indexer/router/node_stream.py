@@ -32,6 +32,7 @@ from indexer.router.feed import (
     END_TIMEOUT_S,
     SEND_BYTES,
     FeedError,
+    FeedSecurity,
     FeedSettings,
     RecordEncoder,
     _connection,
@@ -405,6 +406,7 @@ async def follow_memory(
     build: str = "",
     defer: Callable[[], bool] | None = None,
     recent: RecentDocuments | None = None,
+    security: FeedSecurity | None = None,
 ) -> NoReturn:
     """Stream to the indexer at host:port from the Mutation Manager, backfilling from `source`
     where memory does not reach, until cancelled or a FeedError (one connection, no retry).
@@ -416,7 +418,12 @@ async def follow_memory(
     asked between pieces sent: while it is true the stream waits (see `Deference`).
     """
     n = source.num_vbuckets
-    settings = FeedSettings(router_name=router_name, num_vbuckets=n, on_rollback=on_rollback)
+    settings = FeedSettings(
+        router_name=router_name,
+        num_vbuckets=n,
+        on_rollback=on_rollback,
+        security=security or FeedSecurity(),
+    )
     vbuckets = source.vbuckets_with_history()
     logs = {vb: source.failover_log(vb) for vb in vbuckets}
     handshake = p.Handshake(router_name, n, tuple(range(n)), logs, build=build)
@@ -482,7 +489,7 @@ async def follow_memory(
                     with suppress(Exception):
                         await peer.stream.send_all(b"".join(ends))
 
-    await _connection(host, port, run)
+    await _connection(host, port, run, settings.security)
 
 
 async def _send(

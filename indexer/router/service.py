@@ -29,7 +29,7 @@ import trio
 from indexer import protocol as p
 from indexer.router.documents import Document, DocumentError, parse_line, vbucket_of
 from indexer.router.expiry import with_absolute_expiry
-from indexer.router.feed import RECONNECT_CODES, FeedError, FeedSecurity, feed_security
+from indexer.router.feed import RECONNECT_CODES, FeedError, FeedSecurity
 from indexer.router.mutations import MutationManager
 from indexer.router.node_stream import (
     MaintenanceFirst,
@@ -308,6 +308,7 @@ async def stream_to_node(
     appender: Appender,
     nodes: Nodes,
     router_name: str = ROUTER_NAME,
+    security: FeedSecurity | None = None,
 ) -> None:
     """Keep the node fed until cancelled: its maintenance stream, and a build stream for each
     index its handshake says is being built (until the node says that build is done)."""
@@ -320,7 +321,14 @@ async def stream_to_node(
         async def build_stream(index: str) -> None:
             try:
                 await _keep_streaming(
-                    address, source, appender, nodes, router_name, index, defer=maintenance_first
+                    address,
+                    source,
+                    appender,
+                    nodes,
+                    router_name,
+                    index,
+                    defer=maintenance_first,
+                    security=security,
                 )
             finally:
                 building.discard(index)
@@ -332,7 +340,9 @@ async def stream_to_node(
                     building.add(index)
                     nursery.start_soon(build_stream, index)
 
-        await _keep_streaming(address, source, appender, nodes, router_name, "", on_maintenance)
+        await _keep_streaming(
+            address, source, appender, nodes, router_name, "", on_maintenance, security=security
+        )
     log.info("%s: stopped", node)
 
 
@@ -345,6 +355,7 @@ async def _keep_streaming(
     build: str,
     on_connect: Callable[[p.HandshakeReply], None] | None = None,
     defer: Callable[[], bool] | None = None,
+    security: FeedSecurity | None = None,
 ) -> None:
     """One stream to the node (maintenance, or the build of index `build`): connect, stream,
     reconnect with backoff on errors; a build stream returns once the node says it is done."""
@@ -389,6 +400,7 @@ async def _keep_streaming(
                     build=build,
                     defer=defer,
                     recent=appender.recent,
+                    security=security,
                 )
             log.info("%s: handshaking again after a failover", name)
             continue
@@ -658,13 +670,20 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
     nodes = Nodes(targets)
     running: dict[Address, trio.CancelScope] = {}
     signals_of = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
-    with feed_security(options.security), signals_of as signals:
+    with signals_of as signals:
         async with trio.open_nursery() as nursery:
 
             async def node_task(address: Address, scope: trio.CancelScope) -> None:
                 try:
                     with scope:
-                        await stream_to_node(address, source, appender, nodes, options.router_name)
+                        await stream_to_node(
+                            address,
+                            source,
+                            appender,
+                            nodes,
+                            options.router_name,
+                            options.security,
+                        )
                 finally:
                     if running.get(address) is scope:
                         del running[address]
