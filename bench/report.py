@@ -13,7 +13,8 @@ last line, one JSON object, with the run's conditions to DIR/NAME.json; DIR is b
 Rendering reads every NAME.json in the results directory (so a run with `--only` keeps the other
 benchmarks' latest results) and writes: PNG plots into docs/perf/ (matplotlib, Agg), the
 headline table (each figure beside its baseline from the same run, and their ratio) to
-docs/perf/headline.md, and the part of docs/performance.md between the lines
+docs/perf/headline.md and the README's headline figures (between its `headline` markers), and
+the part of docs/performance.md between the lines
 `<!-- report:start -->` and `<!-- report:end -->` (inserted after the title when missing). The
 rest of that document, the hand-written method and analysis, is left as it is. Exit code 1 when
 a benchmark failed (the others are still rendered).
@@ -51,6 +52,9 @@ PERF = DOCS / "perf"
 REPORT = DOCS / "performance.md"
 START = "<!-- report:start -->"
 END = "<!-- report:end -->"
+README = ROOT / "README.md"
+HEADLINE_START = "<!-- headline:start -->"
+HEADLINE_END = "<!-- headline:end -->"
 MIB = 1 << 20
 FIGSIZE = (7.0, 3.5)  # inches; at DPI a 560 x 280 image, a few tens of KiB
 DPI = 80
@@ -754,8 +758,8 @@ PLOTS = (
         "build",
         plot_build_lag,
         "Build lag",
-        "Index builds: how far readable trails appended under a steady feed, before, during "
-        "and after building a new index.",
+        "Index builds: how long a write to the router's input takes to become readable under "
+        "a steady feed, before, during and after building a new index.",
     ),
     Plot(
         "router",
@@ -873,6 +877,16 @@ def rewrite_report(block: str) -> None:
     REPORT.write_text(text)
 
 
+def rewrite_readme_headline(table: str) -> None:
+    """The README's headline figures, between its markers (left alone if it has none)."""
+    text = README.read_text()
+    if HEADLINE_START not in text or HEADLINE_END not in text:
+        return
+    before = text[: text.index(HEADLINE_START) + len(HEADLINE_START)]
+    after = text[text.index(HEADLINE_END) :]
+    README.write_text(f"{before}\n{table}\n{after}")
+
+
 def outside_markers(text: str) -> str:
     """The document without its generated part (for the section links)."""
     if START in text and END in text:
@@ -899,7 +913,8 @@ def render(results: dict[str, Json]) -> None:
     (PERF / "headline.md").write_text(f"{conditions(results)}\n\n{headline_table(rows)}")
     document = outside_markers(REPORT.read_text())
     rewrite_report(report_block(results, plots, document))
-    print(f"wrote {(PERF / 'headline.md').relative_to(ROOT)} and {REPORT.relative_to(ROOT)}")
+    rewrite_readme_headline(f"{conditions(results)}\n\n{headline_table(rows)}")
+    print(f"wrote {(PERF / 'headline.md').relative_to(ROOT)}, {REPORT.relative_to(ROOT)}, README")
     print(headline_table(rows))
 
 
