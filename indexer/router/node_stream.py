@@ -75,7 +75,8 @@ otherwise starve the build for as long as the input lasts."""
 
 BUILD_TURN_S = 0.05
 """How long a build that waited `MAX_DEFER_S` then goes on regardless: at least a sixth of a
-saturated router's time goes to builds, so they finish under any feed."""
+saturated router's time goes to builds, so they always move. Whether that is enough for a large
+build to catch up under a sustained feed depends on the feed (docs/performance.md)."""
 
 
 class MaintenanceFirst:
