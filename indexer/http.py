@@ -56,7 +56,7 @@ from indexer.config import (
     SecurityConfig,
     check_index_name,
 )
-from indexer.protocol import IndexDefinition, token_matches
+from indexer.protocol import IndexDefinition, bearer_refusal
 from indexer.reader import StreamRegistry
 from indexer.scans import (
     EntryBatch,
@@ -254,18 +254,10 @@ class HttpApi:
             return
         if method in READ_METHODS and not self.security.scan_token_required:
             return
-        given = headers.get("authorization", "")
-        scheme, _, presented = given.strip().partition(" ")
-        presented = presented.strip()
-        error = "invalid_request"
-        if not given:
-            reason, error = "no Authorization header", ""
-        elif scheme.lower() != "bearer" or not presented:
-            reason = "the Authorization header is not Bearer TOKEN"
-        elif not token_matches(presented, token):
-            reason, error = "the bearer token is wrong", "invalid_token"
-        else:
+        refusal = bearer_refusal(headers.get("authorization", ""), token)
+        if refusal is None:
             return
+        reason, error = refusal
         self.refused["unauthorized"] += 1
         client = scope.get("client")
         who = f"{client[0]}:{client[1]}" if client else "unknown"

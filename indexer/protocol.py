@@ -484,6 +484,21 @@ def token_matches(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+def bearer_refusal(authorization: str, token: str) -> tuple[str, str] | None:
+    """Why an HTTP `Authorization` header does not carry `token` as `Bearer TOKEN`, as
+    (reason, RFC 6750 error code or ""), or None when it does. The daemon's and the router's
+    HTTP APIs both check with it; the reason never holds the token."""
+    scheme, _, presented = authorization.strip().partition(" ")
+    presented = presented.strip()
+    if not authorization:
+        return "no Authorization header", ""
+    if scheme.lower() != "bearer" or not presented:
+        return "the Authorization header is not Bearer TOKEN", "invalid_request"
+    if not token_matches(presented, token):
+        return "the bearer token is wrong", "invalid_token"
+    return None
+
+
 def _failover_logs(value: Any, num_vbuckets: int) -> dict[int, tuple[tuple[int, int], ...]]:
     """{"vb": [[vbuuid, seqno], ...]}: u64 integers, at most MAX_FAILOVER_ENTRIES per vbucket."""
     if not isinstance(value, dict):

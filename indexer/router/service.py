@@ -472,20 +472,13 @@ class DocsApi:
         token (compared in constant time; refusals are logged, never the token)."""
         if not self.token or scope["method"] in ("GET", "HEAD"):
             return True
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, presented = given.partition(" ")
-        if scheme.lower() == "bearer" and p.token_matches(presented.strip(), self.token):
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        refusal = p.bearer_refusal(given, self.token)
+        if refusal is None:
             return True
         self.refused += 1
-        client = scope.get("client") or ("?", 0)
-        log.warning(
-            "refused %s %s from %s: %s bearer token",
-            scope["method"],
-            scope["path"],
-            client[0],
-            "a wrong" if given else "no",
-        )
+        method, path, client = scope["method"], scope["path"], scope.get("client") or ("?", 0)
+        log.warning("refused %s %s from %s: %s", method, path, client[0], refusal[0])
         return False
 
     async def handle(

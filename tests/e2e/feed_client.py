@@ -13,7 +13,7 @@ from indexer import protocol as p
 from indexer.keys import index_key
 from indexer.router.documents import Document
 from tests.e2e.conftest import WAIT_S, Daemon
-from tests.e2e.stream_client import random_body
+from tests.e2e.stream_client import next_message, random_body
 
 NUM_VBUCKETS = 1024
 
@@ -71,13 +71,7 @@ class FeedClient:
         self.acked = dict(self.restart)
 
     def next(self) -> p.Message:
-        while not self.queue:
-            self.queue.extend(self.decoder.messages())
-            if not self.queue:
-                data = self.sock.recv(1 << 16)
-                assert data, "the daemon closed the connection"
-                self.decoder.feed(data)
-        return self.queue.popleft()
+        return next_message(self.sock, self.decoder, self.queue)
 
     def pump(self) -> None:
         """Read one message and take in what it says (credit, acks)."""

@@ -21,6 +21,19 @@ VBUCKETS = (11, 222, 333)
 FAST_PERSIST = {"snapshots": {"persist_interval_ms": 100, "in_memory_interval_ms": 20}}
 
 
+def next_message(
+    sock: socket.socket, decoder: p.FrameDecoder, queue: deque[p.Message]
+) -> p.Message:
+    """The next message from the daemon: one decoded earlier, else read until one is whole."""
+    while not queue:
+        queue.extend(decoder.messages())
+        if not queue:
+            data = sock.recv(1 << 16)
+            assert data, "the daemon closed the connection"
+            decoder.feed(data)
+    return queue.popleft()
+
+
 def random_body(rng: random.Random) -> dict[str, object] | None:
     """A document of the test indexes' shape, or None (a delete) one time in ten."""
     if rng.random() < 0.1:
@@ -106,13 +119,7 @@ class Router:
         self.acked = {vb: self.restart[vb] for vb in VBUCKETS}  # restart = persisted
 
     def next(self) -> p.Message:
-        while not self.queue:
-            self.queue.extend(self.decoder.messages())
-            if not self.queue:
-                data = self.sock.recv(1 << 16)
-                assert data, "the daemon closed the connection"
-                self.decoder.feed(data)
-        return self.queue.popleft()
+        return next_message(self.sock, self.decoder, self.queue)
 
     def pump(self) -> p.Message:
         """The next message, after taking in what it says (credit, acks, barrier answers)."""

@@ -27,19 +27,10 @@ from indexer.keys import (
     entry_tail,
     split_entry,
 )
+from tests.indexer.test_keys import bytes_cmp, sign
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SOME = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def sign(x: int) -> int:
-    """-1, 0 or 1."""
-    return (x > 0) - (x < 0)
-
-
-def bytes_cmp(a: bytes, b: bytes) -> int:
-    """memcmp order of two byte strings, as -1, 0 or 1."""
-    return (a > b) - (a < b)
 
 
 # ---------------------------------------------------------------------------------------------
