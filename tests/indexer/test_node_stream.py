@@ -272,3 +272,22 @@ def test_build_streams_give_way_to_maintenance_but_are_never_starved() -> None:
     assert 0.1 < share < 0.25, given  # about BUILD_TURN_S / (MAX_DEFER_S + BUILD_TURN_S)
     assert not any(at < MAX_DEFER_S - 0.011 for at in given)  # first, a wait
     assert seen[100][1] is False and seen[101][1] is True
+
+
+def test_a_backfill_chunk_sends_each_docid_once_its_latest_version(source: SourceLog) -> None:
+    mm = MutationManager(capacity=1 << 30)
+    append(source, mm, docs(0, 600, ids=20))
+    vb = max(range(N), key=source.high_seqno)
+    high = source.high_seqno(vb)
+    logged = list(source.read(vb, 0))
+    chunk = read_backfill_chunk(source, vb, 0, high, max_items=high)
+    assert chunk.read == high and chunk.last and (chunk.start, chunk.end) == (1, high)
+    latest = {document.docid: (seqno, document) for seqno, document in logged}
+    assert chunk.versions == sorted(latest.values(), key=lambda v: v[0])
+    assert len(chunk.versions) < chunk.read  # the docids were rewritten: some left out
+    assert chunk.versions[-1][0] == high  # the snapshot's end is sent: it completes the snapshot
+    # A budget cuts the range; each piece leaves out only what its own range supersedes.
+    half = read_backfill_chunk(source, vb, 0, high, max_items=high // 2)
+    assert half.read == high // 2 and not half.last and half.end == logged[high // 2 - 1][0]
+    assert half.versions[-1][0] == half.end
+    assert {d.docid for _, d in half.versions} == {d.docid for _, d in logged[: high // 2]}
