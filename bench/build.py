@@ -1,7 +1,7 @@
 """Index build benchmark: initial builds of a new index, and scans fanned out over two nodes.
 
     python bench/build.py [--documents N] [--keys K] [--feed-rate R] [--feed-max-s S]
-                          [--seed S] [--timeout S] [--keep]
+                          [--seed S] [--no-fan-out] [--timeout S] [--keep]
 
 Everything runs as subprocesses on 127.0.0.1: `indexer serve` (default configuration: the
 indexes `by_city(address.city, age)` and `by_age(age)`) and `indexer router`.
@@ -38,6 +38,10 @@ indexes `by_city(address.city, age)` and `by_age(age)`) and `indexer router`.
    code: JSON parsing and the merge's key encoding, without a second node); and, for what the
    two nodes can serve, both nodes' NDJSON scans at once in two threads, newlines counted, no
    merge. Reported: rows/s and the ratios.
+
+The JSON's `builds.timeline` holds every lag sample (s, phase, readable seqno sum, the build's
+received seqno sum) and `builds.probes` every probe (s written, s until readable), to see when
+in a build the lag moved. `--no-fan-out` runs part 1 only.
 
 The first line gives the conditions, with the median time of a 4 KiB write + fsync in the
 temp directory: the router appends every read of its input as one synced batch, so a busy disk
@@ -368,6 +372,9 @@ class Sample:
     lag: int  # seqnos appended by the router, not yet readable on the daemon
     router_behind: int  # documents written to the file, not yet appended by the router
     end_to_end: int  # documents written to the file, not yet readable on the daemon
+    at: float  # seconds since the sampler started
+    readable: int  # the daemon's stable seqno sum
+    build: int | None  # the seqno sum the build in progress has received, if one runs
 
 
 class LagSampler(threading.Thread):
@@ -384,6 +391,8 @@ class LagSampler(threading.Thread):
         self.failures = 0
         self.stopped = threading.Event()
         self.visible: list[tuple[str, float]] = []  # (phase, s from the probe's write to read)
+        self.probes: list[tuple[float, float]] = []  # (s since the start it was written, the same)
+        self.began = time.monotonic()
         self._seen = 0
 
     def probe(self, client: httpx.Client, phase: str) -> None:
@@ -401,9 +410,13 @@ class LagSampler(threading.Thread):
         for seen in range(self._seen + 1, tick + 1):
             if seen in written:
                 self.visible.append((phase, now - written[seen]))
+                self.probes.append(
+                    (round(written[seen] - self.began, 2), round(now - written[seen], 3))
+                )
         self._seen = max(self._seen, tick)
 
     def run(self) -> None:
+        began = self.began
         with httpx.Client(timeout=10) as client:
             while not self.stopped.is_set():
                 written = self.base + self.feed.written
@@ -411,7 +424,9 @@ class LagSampler(threading.Thread):
                 try:
                     # The daemon first: the lag is over-stated by what the router appends
                     # between the two requests (a few ms), never under-stated.
-                    stable = client.get(f"{self.daemon_url}/stats").json()["stable"]["seqno_sum"]
+                    daemon = client.get(f"{self.daemon_url}/stats").json()
+                    stable = daemon["stable"]["seqno_sum"]
+                    builds = [b["received_seqno_sum"] for b in daemon["builds"].values()]
                     appended = client.get(f"{self.router_url}/stats").json()["source"][
                         "high_seqno_sum"
                     ]
@@ -425,6 +440,9 @@ class LagSampler(threading.Thread):
                             max(appended - stable, 0),
                             max(written - appended, 0),
                             max(written - stable, 0),
+                            round(time.monotonic() - began, 2),
+                            stable,
+                            builds[0] if builds else None,
                         )
                     )
                 self.stopped.wait(SAMPLE_S)
@@ -743,6 +761,10 @@ def builds(
         "appended_after_feed_s": round(caught_up_s, 3),
         "lag": lag,
         "lag_samples_failed": sampler.failures,
+        # Every sample: (s, phase, seqnos readable, seqnos the build received or None).
+        "timeline": [(s.at, s.phase, s.readable, s.build) for s in sampler.samples],
+        # Every probe: (s when it was written, s until it was readable).
+        "probes": sampler.probes,
         "build_slowdown": ratio(quiet["items_per_s"], with_feed["items_per_s"]),
         "checks": checks,
     }
@@ -936,10 +958,11 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     )
     with_city = model.with_city()  # the feed of the builds adds to the model
     build = builds(opts, workdir, initial, model, total)
-    scans = fan_out(opts, workdir, initial, with_city, total)
+    scans = fan_out(opts, workdir, initial, with_city, total) if opts.fan_out else None
     seconds = time.monotonic() - began
     checks = {f"build_{k}": v for k, v in build["checks"].items()}
-    checks.update({f"scan_{k}": v for k, v in scans["checks"].items()})
+    if scans is not None:
+        checks.update({f"scan_{k}": v for k, v in scans["checks"].items()})
     say(f"run: {seconds:.0f} s; checks {'passed' if all(checks.values()) else 'FAILED'}")
     return {
         "date": date.today().isoformat(),
@@ -956,9 +979,9 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "feed_build_items_per_s": build["with_feed"]["items_per_s"],
         "lag_p99_baseline": build["lag"]["baseline"]["lag_p99"],
         "lag_p99_build": build["lag"]["build"]["lag_p99"],
-        "scan_two_nodes_rows_per_s": scans["rows_per_s"]["two_nodes"],
-        "scan_one_node_ndjson_rows_per_s": scans["rows_per_s"]["one_node_ndjson"],
-        "scan_ratio_two_vs_one_ndjson": scans["ratio_two_vs_one_ndjson"],
+        "scan_two_nodes_rows_per_s": scans and scans["rows_per_s"]["two_nodes"],
+        "scan_one_node_ndjson_rows_per_s": scans and scans["rows_per_s"]["one_node_ndjson"],
+        "scan_ratio_two_vs_one_ndjson": scans and scans["ratio_two_vs_one_ndjson"],
         "checks_passed": all(checks.values()),
         "checks": checks,
         "builds": build,
@@ -980,6 +1003,12 @@ def main() -> int:
         help="stop the feed if the build is not active this long after its create (default 60)",
     )
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--no-fan-out",
+        dest="fan_out",
+        action="store_false",
+        help="only the builds (part 1); the scan fan-out's figures are null",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="of every wait, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory")
     opts = parser.parse_args()
