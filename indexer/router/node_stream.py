@@ -16,15 +16,25 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import closing, suppress
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass
-from itertools import islice, takewhile
+from itertools import islice
 from typing import NoReturn
 
 import trio
 
 from indexer import protocol as p
+from indexer.router.build_encoder import BuildEncoder, build_encoder
+from indexer.router.chunks import (
+    BackfillChunk,
+    EncodedChunk,
+    RawChunk,
+    read_backfill_chunks,
+    read_chunks,
+    read_raw_chunk,
+    snapshot_frames,
+)
 from indexer.router.documents import Document
 from indexer.router.feed import (
     BATCH_RECORDS,
@@ -47,8 +57,9 @@ from indexer.router.mutations import (
     Item,
     MutationError,
     MutationManager,
+    Snapshot,
 )
-from indexer.router.source import SourceLog, decode_document
+from indexer.router.source import SourceLog, decode_document, encode_document
 
 log = logging.getLogger("indexer.router")
 
@@ -120,46 +131,11 @@ class MaintenanceFirst:
             return False
 
 
-@dataclass(frozen=True, slots=True)
-class BackfillChunk:
-    """Source-log versions of one vbucket, as one snapshot start..end: the latest version of
-    each docid written in that range (the one at `end` among them), in seqno order.
-
-    `read`: the versions read from the log, superseded ones included.
-    `last`: the backfill reached the seqno it was asked to reach.
-    """
-
-    vbucket: int
-    start: int
-    end: int
-    versions: list[tuple[int, Document]]
-    last: bool
-    read: int
-
-
-def latest_versions(versions: list[tuple[int, Document]]) -> list[tuple[int, Document]]:
-    """Each docid's latest of `versions` (in seqno order), in seqno order.
-
-    A snapshot is consistent only at its end, so a version superseded inside it need not be
-    sent: as a disk backfill of DCP sends each key once, a build over a log that rewrote its
-    documents many times carries each document once per chunk.
-    """
-    latest = {document.docid: i for i, (_, document) in enumerate(versions)}
-    if len(latest) == len(versions):
-        return versions
-    return [versions[i] for i in sorted(latest.values())]
-
-
-def read_backfill_chunk(
-    source: SourceLog, vbucket: int, after: int, until: int, max_items: int
-) -> BackfillChunk:
-    """The log's versions of `vbucket` after `after`, at most `max_items` read, none above
-    `until`, superseded ones left out (blocking: run it in a worker thread)."""
-    with closing(source.read(vbucket, after)) as versions:
-        taken = list(islice(takewhile(lambda v: v[0] <= until, versions), max_items))
-    # Fewer than asked for: the log has nothing more up to `until`.
-    end = taken[-1][0] if len(taken) == max_items else until
-    return BackfillChunk(vbucket, after + 1, end, latest_versions(taken), end >= until, len(taken))
+def stored_bytes(item: Item) -> bytes:
+    """A Mutation Manager item as the source log stores it (a delete has no payload there)."""
+    if item.payload is None:
+        return encode_document(Document(item.docid.decode(), None))
+    return item.payload
 
 
 def document_of(item: Item) -> Document:
@@ -260,8 +236,9 @@ class NodeCursors:
         self.backfilling[backfill.vbucket] = backfill
         self.requests.append(backfill)
 
-    def memory_chunks(self) -> Iterator[tuple[list[bytes], int]]:
-        """(frames, items) of what memory holds for every cursor it serves, vbuckets in turn."""
+    def memory_snapshots(self) -> Iterator[tuple[int, Snapshot]]:
+        """(vbucket, snapshot) of what memory holds for every cursor it serves, vbuckets in
+        turn, each cursor moved past what it yields."""
         mm = self.mm
         for vb in self.vbuckets:
             if vb in self.backfilling or not mm.pending(self.consumer, vb):
@@ -272,21 +249,51 @@ class NodeCursors:
                 self._start_backfill(exc.backfill)
                 continue
             for snapshot in snapshots:
-                versions = [(item.seqno, self._document(vb, item)) for item in snapshot.items]
-                self.sent += len(versions)
-                yield from self._snapshot_frames(vb, snapshot.start, snapshot.end, versions)
+                yield vb, snapshot
+
+    def memory_chunks(self) -> Iterator[tuple[list[bytes], int]]:
+        """(frames, items) of `memory_snapshots`."""
+        for vb, snapshot in self.memory_snapshots():
+            versions = [(item.seqno, self._document(vb, item)) for item in snapshot.items]
+            self.sent += len(versions)
+            yield from self._snapshot_frames(vb, snapshot.start, snapshot.end, versions)
+
+    def memory_stored(self) -> list[RawChunk]:
+        """`memory_snapshots` as stored versions, for an encoder process."""
+        out = []
+        for vb, snapshot in self.memory_snapshots():
+            versions = [(item.seqno, stored_bytes(item)) for item in snapshot.items]
+            out.append(RawChunk(vb, snapshot.start, snapshot.end, versions, False, len(versions)))
+        return out
+
+    def encoded_chunks(self, encoded: Sequence[EncodedChunk]) -> Iterator[tuple[list[bytes], int]]:
+        """(frames, items) of memory snapshots an encoder process encoded."""
+        for chunk in encoded:
+            self.sent += chunk.kept
+            yield from self._begin(chunk.vbucket, chunk.pieces)
 
     def _document(self, vb: int, item: Item) -> Document:
         """The item's document: parsed at its append if still at hand, else from its payload."""
         found = self.recent.get(vb, item.seqno) if self.recent is not None else None
         return found if found is not None else document_of(item)
 
-    def backfill_chunks(self, chunk: BackfillChunk) -> Iterator[tuple[list[bytes], int]]:
+    def backfill_chunks(
+        self, chunk: BackfillChunk | EncodedChunk
+    ) -> Iterator[tuple[list[bytes], int]]:
         """(frames, items) of a backfill chunk; after its last one the cursor rejoins memory."""
-        self.backfilled += len(chunk.versions)
-        self.superseded += chunk.read - len(chunk.versions)
-        if chunk.versions:
-            yield from self._snapshot_frames(chunk.vbucket, chunk.start, chunk.end, chunk.versions)
+        if type(chunk) is EncodedChunk:
+            self.backfilled += chunk.kept
+            self.superseded += chunk.read - chunk.kept
+            if chunk.kept:
+                yield from self._begin(chunk.vbucket, chunk.pieces)
+        else:
+            assert type(chunk) is BackfillChunk
+            self.backfilled += len(chunk.versions)
+            self.superseded += chunk.read - len(chunk.versions)
+            if chunk.versions:
+                yield from self._snapshot_frames(
+                    chunk.vbucket, chunk.start, chunk.end, chunk.versions
+                )
         if chunk.last:
             del self.backfilling[chunk.vbucket]
             following = self.mm.rejoin(self.consumer, chunk.vbucket, chunk.end)
@@ -296,29 +303,20 @@ class NodeCursors:
     def _snapshot_frames(
         self, vb: int, start: int, end: int, versions: Sequence[tuple[int, Document]]
     ) -> Iterator[tuple[list[bytes], int]]:
-        """SNAPSHOT_MARKER(start, end), then the versions in MUTATIONS frames of bounded size."""
-        frames: list[bytes] = []
+        """STREAM_BEGIN for the vbucket's first, then `snapshot_frames`."""
+        pieces = snapshot_frames(
+            self.records, self.batch_bytes, self.batch_records, vb, start, end, versions
+        )
+        return self._begin(vb, pieces)
+
+    def _begin(
+        self, vb: int, pieces: Iterable[tuple[list[bytes], int]]
+    ) -> Iterator[tuple[list[bytes], int]]:
+        """The pieces of a snapshot, STREAM_BEGIN ahead of them if the vbucket is not begun."""
         if vb not in self.begun:
             self.begun.add(vb)
-            frames.append(p.encode(p.StreamBegin(vb, self.source.vbuuid(vb))))
-        frames.append(p.encode(p.SnapshotMarker(vb, start, end)))
-        nkeys = self.records.nkeys
-        batch: list[bytes] = []
-        size = 0
-        for seqno, document in versions:
-            record = self.records.record(seqno, document)
-            if len(record) > self.batch_bytes:
-                raise FeedError(f"document {document.docid!r}: its index keys exceed a frame")
-            full = len(batch) >= self.batch_records or size + len(record) > self.batch_bytes
-            if batch and full:
-                frames.append(p.encode_mutations(vb, nkeys, batch))
-                yield frames, len(batch)
-                frames, batch, size = [], [], 0
-            batch.append(record)
-            size += len(record)
-        if batch:
-            frames.append(p.encode_mutations(vb, nkeys, batch))
-        yield frames, len(batch)
+            yield [p.encode(p.StreamBegin(vb, self.source.vbuuid(vb)))], 0
+        yield from pieces
 
     def ends(self) -> list[bytes]:
         """STREAM_END of every vbucket begun."""
@@ -339,36 +337,22 @@ class Wakeup:
         self._event = trio.Event()
 
 
-def read_backfill_chunks(
-    source: SourceLog, wanted: Sequence[tuple[Backfill, int]], max_items: int
-) -> list[BackfillChunk]:
-    """One chunk for each (backfill, reached so far), in order, until `max_items` versions are
-    read in all (blocking: one worker-thread call serves many vbuckets)."""
-    out = []
-    budget = max_items
-    for backfill, after in wanted:
-        if budget <= 0:
-            break
-        chunk = read_backfill_chunk(source, backfill.vbucket, after, backfill.until, budget)
-        out.append(chunk)
-        budget -= max(chunk.read, 1)
-    return out
-
-
 async def _backfill(
     source: SourceLog,
     requests: trio.MemoryReceiveChannel[Backfill],
-    chunks: trio.MemorySendChannel[BackfillChunk],
+    chunks: trio.MemorySendChannel[BackfillChunk | EncodedChunk],
     wakeup: Wakeup,
     max_items: int,
     defer: Callable[[], bool] | None = None,
+    encoder: BuildEncoder | None = None,
 ) -> None:
     """Read the source log for the backfill requests into the bounded chunk queue.
 
     Requests are served together, up to `max_items` versions per worker-thread call: after a
     reconnect hundreds of vbuckets may each need a few versions, and one call per vbucket would
     keep the last of them waiting for all the others. A deferring stream reads only while
-    `defer()` is false: its reads compete for the GIL with what it gives way to.
+    `defer()` is false: its reads compete for the GIL with what it gives way to. With an
+    `encoder`, versions are read as stored and that process parses and encodes them.
     """
     pending: deque[tuple[Backfill, int]] = deque()  # (request, the seqno reached so far)
     while True:
@@ -384,7 +368,14 @@ async def _backfill(
         while defer is not None and defer():
             await trio.sleep(DEFER_S)
         wanted = list(pending)
-        read = await trio.to_thread.run_sync(read_backfill_chunks, source, wanted, max_items)
+        read: Sequence[BackfillChunk | EncodedChunk]
+        if encoder is None:
+            read = await trio.to_thread.run_sync(read_backfill_chunks, source, wanted, max_items)
+        else:
+            stored = await trio.to_thread.run_sync(
+                read_chunks, read_raw_chunk, source, wanted, max_items
+            )
+            read = await encoder.encode(stored)
         for (backfill, _), chunk in zip(wanted, read, strict=False):
             pending.popleft()
             await chunks.send(chunk)
@@ -462,45 +453,59 @@ async def follow_memory(
             on_connected(reply, len(cursors.backfilling))
         wakeup = Wakeup()
         request_send, request_receive = trio.open_memory_channel[Backfill](math.inf)
-        chunk_send, chunk_receive = trio.open_memory_channel[BackfillChunk](BACKFILL_QUEUE_CHUNKS)
+        chunk_send, chunk_receive = trio.open_memory_channel[BackfillChunk | EncodedChunk](
+            BACKFILL_QUEUE_CHUNKS
+        )
         idle = False
         per_call = min(backfill_items, DEFERRING_BACKFILL_ITEMS) if defer else backfill_items
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(peer.read_acks)
-                nursery.start_soon(_forward_appends, next_change, wakeup)
-                nursery.start_soon(
-                    _backfill,
-                    source,
-                    request_receive,
-                    chunk_send,
-                    wakeup,
-                    per_call,
-                    defer,
-                )
-                while True:
-                    moved = 0
-                    for backfill in cursors.take_requests():
-                        request_send.send_nowait(backfill)
+            async with AsyncExitStack() as stack:
+                encoder = None
+                if build:  # a build's versions are parsed and encoded by a process of its own
+                    encoder = await stack.enter_async_context(
+                        build_encoder(reply.indexes, cursors.batch_bytes, cursors.batch_records)
+                    )
+                    per_call = backfill_items
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(peer.read_acks)
+                    nursery.start_soon(_forward_appends, next_change, wakeup)
+                    nursery.start_soon(
+                        _backfill,
+                        source,
+                        request_receive,
+                        chunk_send,
+                        wakeup,
+                        per_call,
+                        defer,
+                        encoder,
+                    )
                     while True:
+                        moved = 0
+                        for backfill in cursors.take_requests():
+                            request_send.send_nowait(backfill)
+                        while True:
+                            try:
+                                chunk = chunk_receive.receive_nowait()
+                            except trio.WouldBlock:
+                                break
+                            moved += await _send(peer, cursors.backfill_chunks(chunk), defer)
+                            moved += 1
                         try:
-                            chunk = chunk_receive.receive_nowait()
-                        except trio.WouldBlock:
-                            break
-                        moved += await _send(peer, cursors.backfill_chunks(chunk), defer)
-                        moved += 1
-                    try:
-                        moved += await _send(peer, cursors.memory_chunks(), defer)
-                    except MutationError as exc:  # a failover reset the vbucket meanwhile
-                        raise FeedError(f"the source changed under the stream: {exc}") from None
-                    stats.sent = cursors.sent
-                    stats.backfilled = cursors.backfilled
-                    stats.superseded = cursors.superseded
-                    stats.backfilling = len(cursors.backfilling)
-                    if not moved and not cursors.requests:
-                        idle = True
-                        await wakeup.wait()
-                        idle = False
+                            if encoder is None:
+                                moved += await _send(peer, cursors.memory_chunks(), defer)
+                            else:
+                                encoded = await encoder.encode(cursors.memory_stored())
+                                moved += await _send(peer, cursors.encoded_chunks(encoded), defer)
+                        except MutationError as exc:  # a failover reset the vbucket meanwhile
+                            raise FeedError(f"the source changed under the stream: {exc}") from None
+                        stats.sent = cursors.sent
+                        stats.backfilled = cursors.backfilled
+                        stats.superseded = cursors.superseded
+                        stats.backfilling = len(cursors.backfilling)
+                        if not moved and not cursors.requests:
+                            idle = True
+                            await wakeup.wait()
+                            idle = False
         finally:
             stats.connected = False
             cursors.close()

@@ -21,6 +21,7 @@ import secrets
 import struct
 import time
 from collections.abc import Generator, Iterable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,13 @@ class SourceLog:
 
     def read(self, vbucket: int, after: int = 0) -> Generator[tuple[int, Document], None, None]:
         """(seqno, document) of the vbucket's versions with seqnos above `after`, in order."""
+        with closing(self.read_stored(vbucket, after)) as stored:
+            for seqno, value in stored:
+                yield seqno, decode_document(value)
+
+    def read_stored(self, vbucket: int, after: int = 0) -> Generator[tuple[int, bytes], None, None]:
+        """(seqno, stored bytes) of the vbucket's versions above `after`, in order, unparsed
+        (`decode_document` parses them): reading them holds the GIL only briefly."""
         if after >= self.high_seqno(vbucket):
             return
         with self.db.iterator(
@@ -220,7 +228,7 @@ class SourceLog:
             include_stop=True,
         ) as records:
             for key, value in records:
-                yield _KEY.unpack_from(key, 1)[1], decode_document(value)
+                yield _KEY.unpack_from(key, 1)[1], value
 
     def surviving_documents(self) -> dict[str, Document]:
         """The latest surviving version of each document id (deletes included)."""

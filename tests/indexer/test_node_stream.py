@@ -12,14 +12,10 @@ import trio.testing
 
 from indexer import protocol as p
 from indexer.keys import index_key
+from indexer.router.chunks import read_backfill_chunk
 from indexer.router.documents import Document
 from indexer.router.mutations import MutationManager
-from indexer.router.node_stream import (
-    MAX_DEFER_S,
-    MaintenanceFirst,
-    NodeCursors,
-    read_backfill_chunk,
-)
+from indexer.router.node_stream import MAX_DEFER_S, MaintenanceFirst, NodeCursors
 from indexer.router.source import SourceLog, encode_document
 
 N = 4
