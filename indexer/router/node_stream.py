@@ -95,7 +95,8 @@ class MaintenanceFirst:
     """`defer` for a node's build streams: true while the router has input waiting to be
     appended, or the node's maintenance stream has mutations in memory still to send, so an
     initial build never holds back keeping the indexes current; but after `MAX_DEFER_S` of
-    waiting the build gets a turn of `BUILD_TURN_S`, so it still moves."""
+    waiting the build gets a turn of `BUILD_TURN_S`, so it still moves. Never while the
+    maintenance stream is not connected: the node may be merging a build and wait for it."""
 
     def __init__(
         self, mm: MutationManager, consumer: str, input_waiting: Callable[[], bool]
@@ -121,14 +122,16 @@ class MaintenanceFirst:
         return True
 
     def _maintenance_busy(self) -> bool:
-        if self.input_waiting():
-            return True
         pending = self.mm.pending
         consumer = self.consumer
-        try:
-            return any(pending(consumer, vb) for vb in self.vbuckets)
-        except MutationError:  # the maintenance stream is reconnecting
-            return False
+        if self.vbuckets:
+            try:
+                pending(consumer, self.vbuckets[0])
+            except MutationError:
+                # The maintenance stream is reconnecting, or stopped while its node merges a
+                # build, which waits for this stream: giving way would only delay maintenance.
+                return False
+        return self.input_waiting() or any(pending(consumer, vb) for vb in self.vbuckets)
 
 
 def stored_bytes(item: Item) -> bytes:

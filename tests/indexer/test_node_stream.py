@@ -287,3 +287,25 @@ def test_a_backfill_chunk_sends_each_docid_once_its_latest_version(source: Sourc
     assert half.read == high // 2 and not half.last and half.end == logged[high // 2 - 1][0]
     assert half.versions[-1][0] == half.end
     assert {d.docid for _, d in half.versions} == {d.docid for _, d in logged[: high // 2]}
+
+
+def test_a_build_never_gives_way_while_its_nodes_maintenance_stream_is_not_connected() -> None:
+    """During a merge the node stops its maintenance stream and waits for the build: the
+    build must not wait for input or for mutations nobody can send meanwhile."""
+    mm = MutationManager(capacity=1 << 20)
+    defer = MaintenanceFirst(mm, "node", lambda: True)  # input waiting all along
+    defer.vbuckets = list(range(N))
+    for vb in range(N):
+        mm.register("node", vb, 0)
+
+    async def main() -> None:
+        assert defer()  # connected, input waiting: the build gives way
+        mm.unregister_consumer("node")  # INDEXES_CHANGED: the stream is gone until the merge
+        for _ in range(50):
+            assert not defer()
+            await trio.sleep(0.01)
+        for vb in range(N):
+            mm.register("node", vb, 0)
+        assert defer()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
