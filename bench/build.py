@@ -375,6 +375,7 @@ class Sample:
     at: float  # seconds since the sampler started
     readable: int  # the daemon's stable seqno sum
     build: int | None  # the seqno sum the build in progress has received, if one runs
+    level0: int  # files in the daemon store's LevelDB level 0 (compaction behind from 4 on)
 
 
 class LagSampler(threading.Thread):
@@ -443,6 +444,7 @@ class LagSampler(threading.Thread):
                             round(time.monotonic() - began, 2),
                             stable,
                             builds[0] if builds else None,
+                            daemon["storage"]["level0_files"],
                         )
                     )
                 self.stopped.wait(SAMPLE_S)
@@ -761,8 +763,9 @@ def builds(
         "appended_after_feed_s": round(caught_up_s, 3),
         "lag": lag,
         "lag_samples_failed": sampler.failures,
-        # Every sample: (s, phase, seqnos readable, seqnos the build received or None).
-        "timeline": [(s.at, s.phase, s.readable, s.build) for s in sampler.samples],
+        # Every sample: (s, phase, seqnos readable, seqnos the build received or None, the
+        # daemon store's level-0 files).
+        "timeline": [(s.at, s.phase, s.readable, s.build, s.level0) for s in sampler.samples],
         # Every probe: (s when it was written, s until it was readable).
         "probes": sampler.probes,
         "build_slowdown": ratio(quiet["items_per_s"], with_feed["items_per_s"]),

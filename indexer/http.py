@@ -639,6 +639,7 @@ class HttpApi:
             },
             "builds": {b.name: asdict(b.status()) for b in self._builds()},
             "compaction": None if v.compactor is None else v.compactor.statistics(),
+            "storage": {"level0_files": v.store.level0_files()},
             "snapshots": asdict(snaps.statistics()),
             "queues": [asdict(w.statistics()) for w in v.workers],
             "slab": asdict(v.pool.statistics()),

@@ -311,6 +311,12 @@ class IndexStore:
         value: bytes | None = self.db.get(key)
         return value
 
+    def level0_files(self) -> int:
+        """Files in LevelDB's level 0: above 4 its compaction is behind the writes, and from 8
+        on LevelDB slows every write down (a measure of how much more the store can take)."""
+        value = self.db.get_property(b"leveldb.num-files-at-level0")
+        return int(value) if value is not None else 0
+
     def snapshot(self) -> Any:
         return self.db.snapshot()
 
