@@ -64,12 +64,10 @@ from indexer.router.source import SourceLog, decode_document, encode_document
 log = logging.getLogger("indexer.router")
 
 BACKFILL_CHUNK_ITEMS = 2048
-"""Versions read from the source log per worker-thread call, over as many vbuckets as fit."""
-
-DEFERRING_BACKFILL_ITEMS = 512
-"""Versions per worker-thread call of a deferring stream: the thread holds the GIL while it
-parses them, and a smaller call keeps the stream it gives way to waiting less (a call of 8,192
-made a router under a 10k/s feed fall seconds behind its input)."""
+"""Versions read from the source log per worker-thread call, over as many vbuckets as fit. The
+thread holds the GIL while it parses them (a build's thread only reads stored bytes: its
+encoder process parses), so a larger call keeps the event loop waiting longer: calls of 8,192
+parsed versions made a router under a 10k/s feed fall seconds behind its input."""
 
 BACKFILL_QUEUE_CHUNKS = 4
 """Chunks read ahead of the sender per connection: the bound of the backfill queue."""
@@ -460,7 +458,6 @@ async def follow_memory(
             BACKFILL_QUEUE_CHUNKS
         )
         idle = False
-        per_call = min(backfill_items, DEFERRING_BACKFILL_ITEMS) if defer else backfill_items
         try:
             async with AsyncExitStack() as stack:
                 encoder = None
@@ -468,7 +465,6 @@ async def follow_memory(
                     encoder = await stack.enter_async_context(
                         build_encoder(reply.indexes, cursors.batch_bytes, cursors.batch_records)
                     )
-                    per_call = backfill_items
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(peer.read_acks)
                     nursery.start_soon(_forward_appends, next_change, wakeup)
@@ -478,7 +474,7 @@ async def follow_memory(
                         request_receive,
                         chunk_send,
                         wakeup,
-                        per_call,
+                        backfill_items,
                         defer,
                         encoder,
                     )
