@@ -1,7 +1,7 @@
 """Index build benchmark: initial builds of a new index, and scans fanned out over two nodes.
 
     python bench/build.py [--documents N] [--keys K] [--feed-rate R] [--feed-max-s S]
-                          [--seed S] [--no-fan-out] [--timeout S] [--keep]
+                          [--seed S] [--builds B] [--no-fan-out] [--timeout S] [--keep]
 
 Everything runs as subprocesses on 127.0.0.1: `indexer serve` (default configuration: the
 indexes `by_city(address.city, age)` and `by_age(age)`) and `indexer router`.
@@ -28,7 +28,9 @@ indexes `by_city(address.city, age)` and `by_age(age)`) and `indexer router`.
        baseline, during the build and after it, in seqnos and in ms at the feed rate. After the
        feed: request_plus counts of `by_zip2` and `by_city` equal the live documents (latest
        version per docid, deleted ones excluded) having `address.zip`, resp. `address.city`,
-       computed from the documents written.
+       computed from the documents written. With `--builds B` the baseline and the build repeat
+       B times under the same feed (`by_zip3`, ...; the previous one dropped first), and the lag
+       figures pool all of them: one build's figures vary from run to run as much as a change.
 2. Scan fan-out. A cluster map gives vbuckets 0-511 to daemon `a` and 512-1023 to daemon `b`
    (`indexer serve --cluster-map F --node NAME`); `indexer router --cluster-map F` loads the N
    documents into both, then `indexer router --to` loads them into a third daemon alone. Timed,
@@ -694,15 +696,28 @@ def builds(
             sampler.start()
             feed.start()
             time.sleep(WARMUP_S)
-            sampler.phase = "baseline"
-            time.sleep(BASELINE_S)
-            sampler.phase = "build"
-            with_feed = time_build(
-                client, daemon, router, "by_zip2", opts.timeout, feed, sampler, opts.feed_max_s
-            )
-            if not feed.stopped.is_set():
+            runs: list[dict[str, Any]] = []
+            name = "by_zip2"
+            for cycle in range(opts.builds):
+                if cycle:  # the previous build's index goes; the feed goes on
+                    sampler.phase = "drop"
+                    answer = client.delete(f"{daemon.url}/indexes/{name}")
+                    if answer.status_code != 204:
+                        raise RuntimeError(f"drop {name}: HTTP {answer.status_code}")
+                    name = f"by_zip{cycle + 2}"
+                sampler.phase = "baseline"
+                time.sleep(BASELINE_S)
+                sampler.phase = "build"
+                runs.append(
+                    time_build(
+                        client, daemon, router, name, opts.timeout, feed, sampler, opts.feed_max_s
+                    )
+                )
+                if feed.stopped.is_set():  # --feed-max-s: no feed left for another build
+                    break
                 sampler.phase = "after"
                 time.sleep(AFTER_S)
+            with_feed = runs[-1]
             feed.stop()
             sampler.stop()
             fed = feed.written
@@ -710,7 +725,9 @@ def builds(
             caught_up_s, readable_after_s = load(
                 "after the feed", router, [daemon], final, time.monotonic(), client, opts.timeout
             )
-            report_build(f"with a feed of {opts.feed_rate:,.0f}/s", with_feed)
+            for cycle, figures in enumerate(runs):
+                label = f" ({cycle + 1} of {len(runs)})" if len(runs) > 1 else ""
+                report_build(f"with a feed of {opts.feed_rate:,.0f}/s{label}", figures)
             lag = {phase: sampler.summary(phase, opts.feed_rate) for phase in PHASES}
             say(
                 f"  feed: {fed:,} documents in {feed.seconds:.2f} s ({fed / feed.seconds:,.0f}/s; "
@@ -720,7 +737,7 @@ def builds(
             if with_feed["feed_stopped_after_s"] is not None:
                 stop = with_feed["build_at_feed_stop"] or {}
                 say(
-                    f"  NOTE: by_zip2 was not active {opts.feed_max_s:g} s after its create "
+                    f"  NOTE: {name} was not active {opts.feed_max_s:g} s after its create "
                     f"under the feed (--feed-max-s): the feed was stopped then, the build at "
                     f"{stop.get('received_seqno_sum', 0):,} of {stop.get('target_seqno_sum', 0):,}"
                     f" seqnos ({with_feed['seqnos_per_s_under_feed']:,}/s under the feed)"
@@ -728,8 +745,8 @@ def builds(
             for phase in PHASES:
                 report_lag(phase, lag[phase], opts.feed_rate)
             checks["feed_count"] = check(
-                "request_plus count of by_zip2 = live documents with address.zip",
-                daemon.count(client, "by_zip2"),
+                f"request_plus count of {name} = live documents with address.zip",
+                daemon.count(client, name),
                 model.with_zip(),
             )
             checks["feed_by_city"] = check(
@@ -755,6 +772,7 @@ def builds(
         "quiet": quiet,
         "drop_s": round(drop_s, 3),
         "with_feed": with_feed,
+        "with_feed_runs": runs,
         "feed_documents": fed,
         "feed_seconds": round(feed.seconds, 3),
         "feed_per_s": round(fed / feed.seconds),
@@ -1010,6 +1028,13 @@ def main() -> int:
     )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
+        "--builds",
+        type=int,
+        default=1,
+        help="builds under the feed, each after its own baseline (default 1); the lag "
+        "figures pool every baseline and every build",
+    )
+    parser.add_argument(
         "--no-fan-out",
         dest="fan_out",
         action="store_false",
@@ -1020,8 +1045,8 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.keys is None:
         opts.keys = max(1, opts.documents // 3)
-    if min(opts.documents, opts.keys) < 1 or opts.feed_rate <= 0:
-        parser.error("--documents, --keys and --feed-rate must be > 0")
+    if min(opts.documents, opts.keys, opts.builds) < 1 or opts.feed_rate <= 0:
+        parser.error("--documents, --keys, --builds and --feed-rate must be > 0")
     return in_workdir("build-bench-", opts.keep, lambda workdir: run(opts, workdir))
 
 
