@@ -35,9 +35,8 @@ from typing import BinaryIO
 import trio
 
 from indexer import protocol as p
-from indexer.router.chunks import EncodedChunk, RawChunk, latest_versions, snapshot_frames
+from indexer.router.chunks import EncodedChunk, RawChunk, latest_documents, snapshot_frames
 from indexer.router.feed import FeedError, RecordEncoder
-from indexer.router.source import decode_document
 
 BUILD_NICENESS = 10
 """How much lower than the router the encoder runs (os.nice): maintenance comes first."""
@@ -176,8 +175,7 @@ class ChunkEncoder:
         encoded = []
         try:
             for vbucket, start, end, stored in decode_chunks(body):
-                versions = [(seqno, decode_document(value)) for seqno, value in stored]
-                kept = latest_versions(versions)
+                kept = latest_documents(stored)
                 pieces = snapshot_frames(
                     self.records, self.batch_bytes, self.batch_records, vbucket, start, end, kept
                 )

@@ -18,7 +18,7 @@ from indexer import protocol as p
 from indexer.router.documents import Document
 from indexer.router.feed import FeedError, RecordEncoder
 from indexer.router.mutations import Backfill
-from indexer.router.source import SourceLog
+from indexer.router.source import SourceLog, decode_document
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +51,6 @@ def latest_versions(versions: list[tuple[int, Document]]) -> list[tuple[int, Doc
     return [versions[i] for i in sorted(latest.values())]
 
 
-def read_backfill_chunk(
-    source: SourceLog, vbucket: int, after: int, until: int, max_items: int
-) -> BackfillChunk:
-    """The log's versions of `vbucket` after `after`, at most `max_items` read, none above
-    `until`, superseded ones left out (blocking: run it in a worker thread)."""
-    with closing(source.read(vbucket, after)) as versions:
-        taken = list(islice(takewhile(lambda v: v[0] <= until, versions), max_items))
-    # Fewer than asked for: the log has nothing more up to `until`.
-    end = taken[-1][0] if len(taken) == max_items else until
-    return BackfillChunk(vbucket, after + 1, end, latest_versions(taken), end >= until, len(taken))
-
-
 @dataclass(frozen=True, slots=True)
 class RawChunk:
     """Like `BackfillChunk`, with every version read as the log stores it (unparsed, so
@@ -79,11 +67,29 @@ class RawChunk:
 def read_raw_chunk(
     source: SourceLog, vbucket: int, after: int, until: int, max_items: int
 ) -> RawChunk:
-    """`read_backfill_chunk`'s range, unparsed and whole (blocking: run it in a worker thread)."""
+    """The log's versions of `vbucket` after `after` as stored, at most `max_items`, none above
+    `until` (blocking: run it in a worker thread)."""
     with closing(source.read_stored(vbucket, after)) as versions:
         taken = list(islice(takewhile(lambda v: v[0] <= until, versions), max_items))
+    # Fewer than asked for: the log has nothing more up to `until`.
     end = taken[-1][0] if len(taken) == max_items else until
     return RawChunk(vbucket, after + 1, end, taken, end >= until, len(taken))
+
+
+def latest_documents(stored: Sequence[tuple[int, bytes]]) -> list[tuple[int, Document]]:
+    """Stored versions (in seqno order) parsed, each docid's latest only (`latest_versions`)."""
+    return latest_versions([(seqno, decode_document(value)) for seqno, value in stored])
+
+
+def read_backfill_chunk(
+    source: SourceLog, vbucket: int, after: int, until: int, max_items: int
+) -> BackfillChunk:
+    """`read_raw_chunk`'s versions parsed, superseded ones left out (blocking: run it in a
+    worker thread)."""
+    raw = read_raw_chunk(source, vbucket, after, until, max_items)
+    return BackfillChunk(
+        vbucket, raw.start, raw.end, latest_documents(raw.versions), raw.last, raw.read
+    )
 
 
 def snapshot_frames(
