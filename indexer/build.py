@@ -172,6 +172,7 @@ class IndexBuild:
         self.entries = sum(1 for keys in self.cache.entries.values() if keys[0])
         self._moved = trio.Event()
         self._reported = False
+        self.stopped = trio.Event()  # set when its writer task has ended (catalog._run_build)
 
     @property
     def name(self) -> str:
@@ -296,7 +297,10 @@ class IndexBuild:
             if chunks:
                 write, result = self.writer.prepare(self.share.pool.records, chunks)
                 write.put(progress_key(self.index), struct.pack(f">{len(progress)}Q", *progress))
-                await trio.to_thread.run_sync(write.write)
+                # The cache already holds these keys: the batch must land once prepared, or a
+                # merge would hand maintenance a back index naming entries never written.
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(write.write)
                 self.items += result.mutations
                 self.entries += result.entry_deltas[0]
         finally:

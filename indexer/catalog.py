@@ -121,6 +121,7 @@ class IndexCatalog:
             finally:
                 if self._build_scopes.get(build.name) is scope:
                     del self._build_scopes[build.name]
+                build.stopped.set()
 
     def _stop_build(self, name: str, message: str, code: ErrorCode = ErrorCode.BUILD_DONE) -> None:
         scope = self._build_scopes.pop(name, None)
@@ -194,10 +195,12 @@ class IndexCatalog:
                     await build.wait_moved()
             if not build.reached(upto):
                 raise _GiveUp(f"the build of {name} did not reach the maintenance timestamp")
-            # No build flush may land after maintenance starts writing this index.
+            # No build flush may land after maintenance starts writing this index: stop the
+            # build's writer and wait for a flush in progress to finish.
             scope = self._build_scopes.pop(name, None)
             if scope is not None:
                 scope.cancel()
+                await build.stopped.wait()
 
         def apply() -> None:
             stored = self.store.activate(name)
