@@ -55,8 +55,7 @@ def delete_vbuckets(
                     store.write(puts, deletes)
                     deletes = []
         store.write(puts, deletes)
-    for docid in gone:
-        cache.entries.pop(docid, None)
+    cache.forget(gone)
     return len(gone)
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,8 @@ class BackIndexCache:
         self.nindexes = nindexes
         self.entries: dict[bytes, Keys] = {}
         self.complete = True
+        # The documents written while a `BuiltIndexMerge` is being prepared, or None.
+        self.recording: set[bytes] | None = None
 
     def load(self, store: IndexStore, indexes: Sequence[StoredIndex]) -> None:
         """Fill from the store's back index; stays complete only if everything fits."""
@@ -70,18 +72,27 @@ class BackIndexCache:
         self.nindexes += 1
         self.entries = {docid: (*keys, b"") for docid, keys in self.entries.items()}
 
-    def add_built_index(self, built: BackIndexCache) -> None:
-        """A new last index that was built on its own: its keys come from the build's cache."""
-        empty = (b"",) * self.nindexes
-        self.nindexes += 1
-        entries = {docid: (*keys, b"") for docid, keys in self.entries.items()}
-        for docid, (key,) in built.entries.items():
-            if key:
-                entries[docid] = (*entries.get(docid, (*empty, b""))[:-1], key)
-        self.entries = entries
-        if not built.complete:
-            self.complete = False  # misses are read from the store, this index's entries too
-        self.trim()
+    def add_built_index(self, built: BackIndexCache, merge: BuiltIndexMerge | None = None) -> None:
+        """A new last index that was built on its own: its keys come from the build's cache.
+
+        With a `merge` prepared beforehand (`BuiltIndexMerge`), only the documents either cache
+        changed since it started are widened here, so the pipeline stops for as long as those
+        take, not for the whole cache.
+        """
+        if merge is None or not merge.valid(self, built):
+            if merge is not None:
+                merge.abandon()
+            merge = BuiltIndexMerge(self, built)
+        merge.finish()
+
+    def forget(self, docids: Iterable[bytes]) -> None:
+        """Documents no index holds any more (their vbuckets left this node)."""
+        entries = self.entries
+        recording = self.recording
+        for docid in docids:
+            entries.pop(docid, None)
+            if recording is not None:
+                recording.add(docid)
 
     def remove_index(self, position: int) -> None:
         """Forget the keys of the index at `position`."""
@@ -98,6 +109,101 @@ class BackIndexCache:
         for docid in list(islice(self.entries, excess)):
             del self.entries[docid]
         self.complete = False
+
+
+class BuiltIndexMerge:
+    """The maintenance cache widened by a built index's column, prepared a slice at a time while
+    maintenance and the build go on writing, so that the merge itself only redoes the documents
+    written meanwhile (a whole cache of 333k documents took 0.5 s of a stopped pipeline).
+
+    Both caches record the documents their writers touch from the start; `finish` recomputes
+    those from the caches as they are then, and swaps the widened entries in. A document the
+    build's partial cache does not hold is left out (its keys are read from the store), and one
+    only the build holds is added only while the maintenance cache is complete.
+    """
+
+    def __init__(self, main: BackIndexCache, built: BackIndexCache) -> None:
+        self.main = main
+        self.built = built
+        self._base = main.entries
+        self._nindexes = main.nindexes
+        self._empty: Keys = (b"",) * main.nindexes
+        self.widened: dict[bytes, Keys] = {}
+        self.slice_docs = 2048  # between two looks at the clock
+        self._recorded = main.recording = set()
+        self._built_recorded = built.recording = set()
+        main_entries = main.entries
+        # Every document of the maintenance cache, then those only the build holds.
+        self._todo: Iterator[bytes] = chain(
+            list(main_entries), (d for d in list(built.entries) if d not in main_entries)
+        )
+
+    def valid(self, main: BackIndexCache, built: BackIndexCache) -> bool:
+        """Whether it still describes these caches (a rollback reloads the maintenance one)."""
+        return (
+            main is self.main
+            and built is self.built
+            and main.entries is self._base
+            and main.nindexes == self._nindexes
+            and main.recording is self._recorded
+            and built.recording is self._built_recorded
+        )
+
+    def _widen(self, docid: bytes) -> Keys | None:
+        """The document's keys under every index and the built one, or None if not to cache."""
+        keys = self.main.entries.get(docid)
+        built = self.built.entries.get(docid)
+        if built is None and not self.built.complete:
+            return None  # its key in the built index is unknown: read from the store later
+        key = b"" if built is None else built[0]
+        if keys is None:
+            if not self.main.complete or not key:
+                return None  # unknown to a partial cache, or in no index at all
+            keys = self._empty
+        return (*keys, key)
+
+    def step(self, budget_s: float | None = 0.005) -> bool:
+        """Widen documents for about `budget_s` seconds (None: all); whether any are left."""
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        widened = self.widened
+        widen = self._widen
+        size = self.slice_docs
+        while True:
+            done = 0
+            for docid in islice(self._todo, size):
+                done += 1
+                value = widen(docid)
+                if value is not None:
+                    widened[docid] = value
+            if done < size:
+                return False
+            if deadline is not None and time.perf_counter() >= deadline:
+                return True
+
+    def finish(self) -> None:
+        """Widen what was written meanwhile and make the merged entries the cache's."""
+        while self.step(None):
+            pass
+        main, built = self.main, self.built
+        widened = self.widened
+        for docid in self._recorded | self._built_recorded:
+            value = self._widen(docid)
+            if value is None:
+                widened.pop(docid, None)
+            else:
+                widened[docid] = value
+        main.entries = widened
+        main.nindexes += 1
+        main.complete = main.complete and built.complete
+        main.recording = built.recording = None
+        main.trim()
+
+    def abandon(self) -> None:
+        """Stop recording: the merge will not happen (given up, dropped, or stale)."""
+        if self.main.recording is self._recorded:
+            self.main.recording = None
+        if self.built.recording is self._built_recorded:
+            self.built.recording = None
 
 
 def entry_counts(
@@ -170,6 +276,8 @@ class IndexWriter:
             fields = unpack(records, c)
             latest[records[c + head : c + head + fields[2]].tobytes()] = (c, fields)
         cache = self.cache
+        if cache.recording is not None:
+            cache.recording.update(latest)
         entries = cache.entries
         empty: Keys = (b"",) * self.nindexes
         looked_up: dict[bytes, Keys] = {}
@@ -287,7 +395,6 @@ class InjectedFaults:
             raise StoreWriteError(
                 f"IO error: {store.path}/000000.log: No space left on device (injected)".encode()
             )
-
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,163 @@
+"""Merging a built index's back-index cache into maintenance's while both go on writing.
+
+`BuiltIndexMerge` widens the maintenance cache a slice at a time; writes of either cache between
+slices are redone at `finish`. Whatever the interleaving and the caches' sizes, the merged cache
+must agree with the store's back index for every document it holds, and hold every indexed
+document while it says it is complete.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from indexer import protocol as p
+from indexer.keys import encode_key
+from indexer.storage import IndexStore, StoredIndex
+from workers.flush import BackIndexCache, BuiltIndexMerge, IndexWriter
+
+ACTIVE = [p.IndexDefinition("by_city", ("city",)), p.IndexDefinition("by_age", ("age",))]
+BUILT = p.IndexDefinition("by_zip", ("zip",))
+
+
+def record(seqno: int, docid: bytes, keys: tuple[bytes, ...]) -> bytes:
+    deleted = not any(keys)
+    return p.encode_record(p.Mutation(seqno, docid, keys, deleted))[4:]
+
+
+def key(rng: random.Random, present: float = 0.8) -> bytes:
+    """An index key, or b"" (not in that index) one time in five."""
+    return encode_key([rng.randrange(50)]) if rng.random() < present else b""
+
+
+class Writes:
+    """Random writes of the same documents through maintenance's and the build's writers."""
+
+    def __init__(self, rng: random.Random, docs: int, main: IndexWriter, build: IndexWriter):
+        self.rng = rng
+        self.docids = [f"doc{i}".encode() for i in range(docs)]
+        self.main = main
+        self.build = build
+        self.seqno = 0
+
+    def batch(self, n: int) -> None:
+        rng = self.rng
+        main_records = []
+        build_records = []
+        for _ in range(n):
+            self.seqno += 1
+            docid = rng.choice(self.docids)
+            if rng.random() < 0.1:  # a delete leaves every index
+                main_records.append(record(self.seqno, docid, (b"", b"")))
+                build_records.append(record(self.seqno, docid, (b"",)))
+            else:
+                main_records.append(record(self.seqno, docid, (key(rng), key(rng))))
+                build_records.append(record(self.seqno, docid, (key(rng, 0.5),)))
+        # The two streams are applied independently, as maintenance and the build are.
+        if rng.random() < 0.5:
+            self.main.apply(main_records)
+        if rng.random() < 0.7:
+            self.build.apply(build_records)
+
+
+def stored_keys(store: IndexStore, indexes: list[StoredIndex]) -> dict[bytes, tuple[bytes, ...]]:
+    out: dict[bytes, list[bytes]] = {}
+    for j, index in enumerate(indexes):
+        for docid, k in store.back_entries(index):
+            out.setdefault(docid, [b""] * len(indexes))[j] = k
+    return {docid: tuple(keys) for docid, keys in out.items()}
+
+
+def check(cache: BackIndexCache, store: IndexStore, indexes: list[StoredIndex]) -> None:
+    truth = stored_keys(store, indexes)
+    empty = (b"",) * len(indexes)
+    assert cache.nindexes == len(indexes)
+    for docid, keys in cache.entries.items():
+        assert keys == truth.get(docid, empty), docid
+    if cache.complete:
+        assert set(truth) <= set(cache.entries)
+
+
+@pytest.mark.parametrize(
+    ("main_capacity", "build_capacity"),
+    [(50_000, 50_000), (300, 50_000), (50_000, 300), (300, 300)],
+)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("prepared", [True, False])
+def test_merged_cache_agrees_with_the_store(
+    tmp_path: Path, main_capacity: int, build_capacity: int, seed: int, prepared: bool
+) -> None:
+    rng = random.Random(seed)
+    with IndexStore(tmp_path) as store:
+        active = store.ensure_indexes(ACTIVE)
+        built = store.create_index(BUILT, "building")
+        main_cache = BackIndexCache(main_capacity, len(active))
+        build_cache = BackIndexCache(build_capacity, 1)
+        main = IndexWriter(store, active, main_cache)
+        build = IndexWriter(store, [built], build_cache)
+        writes = Writes(rng, 12_000, main, build)
+        for _ in range(60):
+            writes.batch(500)
+        merge = None
+        if prepared:
+            merge = BuiltIndexMerge(main_cache, build_cache)
+            merge.slice_docs = 100
+            steps = 0
+            while merge.step(0):  # one slice of documents, then more writes
+                writes.batch(200)
+                steps += 1
+            assert steps >= 1  # the writes really came between slices
+            writes.batch(200)
+        main_cache.add_built_index(build_cache, merge)
+        indexes = [*active, built]
+        assert main_cache.recording is None and build_cache.recording is None
+        check(main_cache, store, indexes)
+        if main_capacity > 300 and build_capacity > 300:
+            assert main_cache.complete
+        # Maintenance goes on with the merged cache and every index: still in agreement.
+        after = IndexWriter(store, indexes, main_cache)
+        for i in range(5):
+            after.apply(
+                [
+                    record(10**6 + i * 100 + n, rng.choice(writes.docids), (key(rng),) * 3)
+                    for n in range(100)
+                ]
+            )
+        check(main_cache, store, indexes)
+
+
+def test_a_cache_reloaded_meanwhile_is_merged_whole(tmp_path: Path) -> None:
+    """A rollback reloads the maintenance cache during the preparation: the merge starts over."""
+    rng = random.Random(7)
+    with IndexStore(tmp_path) as store:
+        active = store.ensure_indexes(ACTIVE)
+        built = store.create_index(BUILT, "building")
+        main_cache = BackIndexCache(10_000, len(active))
+        build_cache = BackIndexCache(10_000, 1)
+        writes = Writes(
+            rng,
+            3_000,
+            IndexWriter(store, active, main_cache),
+            IndexWriter(store, [built], build_cache),
+        )
+        writes.batch(3_000)
+        merge = BuiltIndexMerge(main_cache, build_cache)
+        merge.step(0)
+        main_cache.load(store, active)  # a new dict: the prepared slices describe the old one
+        writes.batch(500)
+        assert not merge.valid(main_cache, build_cache)
+        main_cache.add_built_index(build_cache, merge)
+        check(main_cache, store, [*active, built])
+
+
+def test_an_abandoned_merge_stops_recording(tmp_path: Path) -> None:
+    with IndexStore(tmp_path) as store:
+        active = store.ensure_indexes(ACTIVE)
+        main_cache = BackIndexCache(100, len(active))
+        build_cache = BackIndexCache(100, 1)
+        merge = BuiltIndexMerge(main_cache, build_cache)
+        assert main_cache.recording is not None and build_cache.recording is not None
+        merge.abandon()
+        assert main_cache.recording is None and build_cache.recording is None
