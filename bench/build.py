@@ -16,7 +16,8 @@ indexes `by_city(address.city, age)` and `by_age(age)`) and `indexer router`.
        entries/s, and the time in each state (building, catchup). Then `DELETE /indexes/by_zip`.
    (b) with a feed: a thread appends more documents of the same docids (another seed) to the
        followed file at a steady R per second (default 10,000), every 50 ms what is due. After
-       1 s of warm-up and 5 s of baseline, `by_zip2` (same keys) is created and timed the same
+       1 s of warm-up and 5 s of baseline (`--baseline-s`: as long as the build, its p99 and
+       max compare over as many probes), `by_zip2` (same keys) is created and timed the same
        way, also in seqnos/s (the build stream can carry fewer items than seqnos: the router
        sends a docid written twice in a snapshot once). The feed goes on 2 s after the index is
        active, then stops; if the index is not active `--feed-max-s` after its create (default
@@ -42,8 +43,9 @@ indexes `by_city(address.city, age)` and `by_age(age)`) and `indexer router`.
    merge. Reported: rows/s and the ratios.
 
 The JSON's `builds.timeline` holds every lag sample (s, phase, readable seqno sum, the build's
-received seqno sum) and `builds.probes` every probe (s written, s until readable), to see when
-in a build the lag moved. `--no-fan-out` runs part 1 only.
+received seqno sum, level-0 files, documents the router is behind the file) and
+`builds.probes` every probe (s written, s until readable), to see when in a build the lag
+moved. `--no-fan-out` runs part 1 only.
 
 The first line gives the conditions, with the median time of a 4 KiB write + fsync in the
 temp directory: the router appends every read of its input as one synced batch, so a busy disk
@@ -706,7 +708,7 @@ def builds(
                         raise RuntimeError(f"drop {name}: HTTP {answer.status_code}")
                     name = f"by_zip{cycle + 2}"
                 sampler.phase = "baseline"
-                time.sleep(BASELINE_S)
+                time.sleep(opts.baseline_s)
                 sampler.phase = "build"
                 runs.append(
                     time_build(
@@ -783,7 +785,9 @@ def builds(
         "lag_samples_failed": sampler.failures,
         # Every sample: (s, phase, seqnos readable, seqnos the build received or None, the
         # daemon store's level-0 files).
-        "timeline": [(s.at, s.phase, s.readable, s.build, s.level0) for s in sampler.samples],
+        "timeline": [
+            (s.at, s.phase, s.readable, s.build, s.level0, s.router_behind) for s in sampler.samples
+        ],
         # Every probe: (s when it was written, s until it was readable).
         "probes": sampler.probes,
         "build_slowdown": ratio(quiet["items_per_s"], with_feed["items_per_s"]),
@@ -1040,13 +1044,20 @@ def main() -> int:
         action="store_false",
         help="only the builds (part 1); the scan fan-out's figures are null",
     )
+    parser.add_argument(
+        "--baseline-s",
+        type=float,
+        default=BASELINE_S,
+        help=f"the feed's baseline before each build (default {BASELINE_S:g}); about as long "
+        "as the build, its p99 and max compare with the build's over as many probes",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="of every wait, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the temp directory")
     opts = parser.parse_args()
     if opts.keys is None:
         opts.keys = max(1, opts.documents // 3)
-    if min(opts.documents, opts.keys, opts.builds) < 1 or opts.feed_rate <= 0:
-        parser.error("--documents, --keys, --builds and --feed-rate must be > 0")
+    if min(opts.documents, opts.keys, opts.builds) < 1 or min(opts.feed_rate, opts.baseline_s) <= 0:
+        parser.error("--documents, --keys, --builds, --feed-rate and --baseline-s must be > 0")
     return in_workdir("build-bench-", opts.keep, lambda workdir: run(opts, workdir))
 
 
