@@ -575,18 +575,20 @@ class Reader:
         assert conn.handshake is not None
         owned = tuple(vb for vb, flag in enumerate(self.registry.owned) if flag)
         persisted = self.snapshots.persisted
-        # A running daemon has everything up to its readable snapshot in the store: a router
-        # that reconnects (an index created or merged, a dropped connection) resends from
-        # there, not from the persisted snapshot seconds behind. After a restart the two are
-        # the same; what a crash loses past the persisted one, the next restart asks again.
+        # A running daemon writes everything it received: a router that reconnects (an index
+        # created or merged, a dropped connection) resumes from there, not from the persisted
+        # snapshot seconds behind, nor from the readable one, which would make it read the
+        # difference back from its log (memory has moved past it). After a restart received
+        # is the persisted snapshot; what a crash loses past it, the next restart asks again.
+        received = self.registry.received
         stable = self.snapshots.stable
-        resume = persisted if stable is None else stable.timestamp
+        vbuuids = (persisted if stable is None else stable.timestamp).vbuuids
         wanted = [vb for vb in conn.handshake.vbuckets if 0 <= vb < len(self.registry.owned)]
         reply = p.HandshakeReply(
             self.indexes,
             len(self.registry.owned),
             owned,
-            resume.positions(wanted),
+            tuple(p.VbucketPosition(vb, received[vb], vbuuids[vb]) for vb in wanted),
             self.max_frame_bytes,
             {vb: persisted.seqnos[vb] for vb in sorted(rolled_back)},
             self.flow_control_bytes if conn.handshake.flow_control else 0,
