@@ -193,21 +193,8 @@ class IndexCatalog:
         """Make a caught-up build's index active at the timestamp maintenance stops at."""
         name = build.name
         merged_at: list[int] = []
-
-        # Widen the back-index cache by the build's column while maintenance goes on: at the
-        # merge only what was written meanwhile is left to do.
-        merge = BuiltIndexMerge(self.cache, build.cache)
-        try:
-            while merge.step(MERGE_SLICE_S):
-                await trio.sleep(MERGE_PAUSE_S)
-        except BaseException:
-            merge.abandon()
-            raise
-        if self.builds.get(name) is not build:  # dropped meanwhile
-            merge.abandon()
-            return False
         phases: dict[str, float] = {}
-        started = trio.current_time()
+        started = 0.0  # when maintenance stops
 
         async def complete_build() -> None:
             phases["queued"] = trio.current_time() - started
@@ -238,14 +225,22 @@ class IndexCatalog:
             build.release()  # what it received past the merge, maintenance applies
             phases["switch"] = trio.current_time() - t0
 
+        # Widen the back-index cache by the build's column while maintenance goes on: at the
+        # merge only what was written meanwhile is left to do.
+        merge = BuiltIndexMerge(self.cache, build.cache)
         try:
+            while merge.step(MERGE_SLICE_S):
+                await trio.sleep(MERGE_PAUSE_S)
+            if self.builds.get(name) is not build:  # dropped meanwhile
+                return False
+            started = trio.current_time()
             await self.change_pipeline(apply, complete_build)
         except _GiveUp as exc:
             build.rearm()
             log.warning("%s; maintenance resumed, merging later", exc)
             return False
         finally:
-            merge.abandon()  # nothing if it was applied
+            merge.abandon()  # nothing once applied
         stopped = trio.current_time() - started
         # The readable snapshot predates the build's last writes: scans must see them.
         if not await self.timekeeper.republish():

@@ -162,7 +162,7 @@ class BuiltIndexMerge:
             keys = self._empty
         return (*keys, key)
 
-    def step(self, budget_s: float | None = 0.005) -> bool:
+    def step(self, budget_s: float | None) -> bool:
         """Widen documents for about `budget_s` seconds (None: all); whether any are left."""
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         widened = self.widened
@@ -182,8 +182,7 @@ class BuiltIndexMerge:
 
     def finish(self) -> None:
         """Widen what was written meanwhile and make the merged entries the cache's."""
-        while self.step(None):
-            pass
+        self.step(None)
         main, built = self.main, self.built
         widened = self.widened
         for docid in self._recorded | self._built_recorded:
