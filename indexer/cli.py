@@ -347,12 +347,12 @@ def _rolled_back(vbucket: int, seqno: int) -> None:
 
 def _run_feed(run: Callable[[], Awaitable[Any]]) -> Any:
     """Run a feed coroutine; its errors end the command with one line."""
-    from indexer.daemon import bulk_gc
+    from indexer.collector import rare_collections
     from indexer.router import FeedError, SourceError
     from indexer.router.documents import DocumentError
 
     try:
-        with bulk_gc():  # the feed allocates per document too
+        with rare_collections():  # the feed allocates per document too
             return trio.run(run)
     except (FeedError, DocumentError, SourceError) as exc:
         fail(str(exc))
@@ -519,6 +519,7 @@ def router(
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
     stream it to every --to node, then each new document as it comes."""
+    from indexer.collector import rare_collections
     from indexer.router import SourceError, SourceLog, Workload
     from indexer.router.service import RouterOptions, run_router
 
@@ -571,7 +572,7 @@ def router(
         log = SourceLog(state, vbuckets)
     except SourceError as exc:
         fail(str(exc))
-    with log:
+    with log, rare_collections():
         try:
             trio.run(run_router, log, options)
         except OSError as exc:

@@ -10,18 +10,17 @@ stable snapshot, and returns.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import ipaddress
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
 from indexer.catalog import IndexCatalog
+from indexer.collector import freeze_long_lived, rare_collections
 from indexer.compaction import Compactor
 from indexer.config import Config
 from indexer.dispatch import dispatch
@@ -54,27 +53,6 @@ class Listening:
     http_port: int
 
 
-# Every mutation allocates a few short-lived tuples and bytes. At CPython's default first
-# threshold (700) the cycle collector runs every few hundred mutations and, in its older
-# generations, walks the whole back-index cache: measured at 40% of the pipeline's Python time.
-# Nothing on the hot path makes reference cycles, so collect far less often.
-GC_THRESHOLDS = (100_000, 50, 1000)
-
-
-@contextlib.contextmanager
-def bulk_gc() -> Iterator[None]:
-    """Collect cycles rarely while inside, and freeze what exists on entry out of their reach."""
-    old = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLDS)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
-        gc.unfreeze()
-
-
 def recover(config: Config) -> PersistedState:
     """The restart state: the last persisted snapshot and recovery points, or zero."""
     n = config.server.num_vbuckets
@@ -101,7 +79,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
     """Run the daemon until SIGINT or SIGTERM, then drain and persist."""
     server = config.server
     server.data_dir.mkdir(parents=True, exist_ok=True)
-    with IndexStore(server.data_dir) as store, bulk_gc():
+    with IndexStore(server.data_dir) as store, rare_collections():
         stored = store.ensure_indexes(config.indexes)
         # Indexes in their initial build are written by their build stream, not maintained yet.
         indexes = [i for i in stored if i.state != "building"]
@@ -127,7 +105,6 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             time.monotonic() - started,
             "complete" if cache.complete else "partial: misses are read from the store",
         )
-        gc.freeze()  # the loaded cache lives as long as the daemon: out of the collector's reach
         snapshots = SnapshotStore(restart)
         hwt = HighWaterTimestamp(restart)
         pool = SlabPool(config.slab.pool_bytes, config.slab.slab_bytes, config.slab.min_chunk)
@@ -150,6 +127,9 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             )
             for i in range(config.pipeline.workers)
         ]
+        # The loaded cache, the pool and the rings (millions of slots) live as long as the
+        # daemon: out of the collector's reach, or its first collections walk all of them.
+        freeze_long_lived()
         # Paused reads resume when neither RSS nor the queues move (slab/throttle.py, SETTLE_S).
         throttle.queued = lambda: sum(w.ring.queued for w in workers)
         registry = StreamRegistry(server.owned_vbuckets, restart.seqnos, state.failover_logs)
