@@ -519,7 +519,6 @@ def router(
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
     stream it to every --to node, then each new document as it comes."""
-    from indexer.collector import rare_collections
     from indexer.router import SourceError, SourceLog, Workload
     from indexer.router.service import RouterOptions, run_router
 
@@ -572,7 +571,7 @@ def router(
         log = SourceLog(state, vbuckets)
     except SourceError as exc:
         fail(str(exc))
-    with log, rare_collections():
+    with log:
         try:
             trio.run(run_router, log, options)
         except OSError as exc:

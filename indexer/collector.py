@@ -12,27 +12,79 @@ such a pause waits for it. Nothing on the hot path makes reference cycles, so:
   100,000 the daemon paused 50-230 ms each time, untracking the back-index cache's new tuples);
 - the older generations almost never (after 1,000 collections of the one below): what survives
   the young collections lives long and is freed by reference counting.
+
+`GET /stats` of the daemon and of the router show the collections and their longest pause.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 THRESHOLDS = (10_000, 1_000, 1_000)
 
 
+@dataclass(frozen=True)
+class CollectorStatistics:
+    """What `/stats` shows of the cycle collector: per generation, collections and pauses."""
+
+    thresholds: tuple[int, int, int]
+    collections: tuple[int, int, int]
+    pause_s_total: tuple[float, float, float]
+    pause_s_longest: tuple[float, float, float]
+
+
+class CollectorPauses:
+    """Counts the collections and times their pauses (a `gc.callbacks` entry while inside
+    `rare_collections`)."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self._collections = [0, 0, 0]
+        self._total = [0.0, 0.0, 0.0]
+        self._longest = [0.0, 0.0, 0.0]
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._started
+        generation = info["generation"]
+        self._collections[generation] += 1
+        self._total[generation] += pause
+        self._longest[generation] = max(self._longest[generation], pause)
+
+    def statistics(self) -> CollectorStatistics:
+        def three(values: list[float]) -> tuple[float, float, float]:
+            return (round(values[0], 6), round(values[1], 6), round(values[2], 6))
+
+        a, b, c = gc.get_threshold()
+        return CollectorStatistics(
+            (a, b, c),
+            (self._collections[0], self._collections[1], self._collections[2]),
+            three(self._total),
+            three(self._longest),
+        )
+
+
 @contextlib.contextmanager
-def rare_collections() -> Iterator[None]:
-    """Collect cycles as THRESHOLDS say while inside, and freeze what exists on entry."""
+def rare_collections() -> Iterator[CollectorPauses]:
+    """Collect cycles as THRESHOLDS say while inside, freeze what exists on entry, and time
+    every collection."""
     old = gc.get_threshold()
     gc.collect()
     gc.freeze()
     gc.set_threshold(*THRESHOLDS)
+    pauses = CollectorPauses()
+    gc.callbacks.append(pauses)
     try:
-        yield
+        yield pauses
     finally:
+        gc.callbacks.remove(pauses)
         gc.set_threshold(*old)
         gc.unfreeze()
 

@@ -79,7 +79,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
     """Run the daemon until SIGINT or SIGTERM, then drain and persist."""
     server = config.server
     server.data_dir.mkdir(parents=True, exist_ok=True)
-    with IndexStore(server.data_dir) as store, rare_collections():
+    with IndexStore(server.data_dir) as store, rare_collections() as collector:
         stored = store.ensure_indexes(config.indexes)
         # Indexes in their initial build are written by their build stream, not maintained yet.
         indexes = [i for i in stored if i.state != "building"]
@@ -199,6 +199,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             config.snapshots.in_memory_interval_s,
             catalog,
             Compactor(store, config.compaction.interval_s),
+            collector=collector,
         )
         try:
             async with trio.open_nursery() as services:

@@ -47,6 +47,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from indexer.build import IndexBuild
 from indexer.catalog import CatalogError, IndexCatalog
+from indexer.collector import CollectorPauses
 from indexer.compaction import Compactor
 from indexer.config import (
     FIELD_PATH,
@@ -123,6 +124,7 @@ class DaemonView:
     in_memory_interval_s: float
     catalog: IndexCatalog | None = None
     compactor: Compactor | None = None
+    collector: CollectorPauses | None = None
     ready: bool = False
 
 
@@ -640,6 +642,7 @@ class HttpApi:
             "builds": {b.name: asdict(b.status()) for b in self._builds()},
             "compaction": None if v.compactor is None else v.compactor.statistics(),
             "storage": {"level0_files": v.store.level0_files()},
+            "collector": None if v.collector is None else asdict(v.collector.statistics()),
             "snapshots": asdict(snaps.statistics()),
             "queues": [asdict(w.statistics()) for w in v.workers],
             "slab": asdict(v.pool.statistics()),
@@ -702,6 +705,16 @@ class _Collector:
         for j, index in enumerate(v.indexes):
             entries.add_metric([index.definition.name], tk.entry_counts[j])
         yield entries
+        if v.collector is not None:
+            gc_stats = v.collector.statistics()
+            longest = GaugeMetricFamily(
+                "indexer_gc_pause_longest_seconds",
+                "Longest pause of the cycle collector, per generation",
+                labels=["generation"],
+            )
+            for generation, pause in enumerate(gc_stats.pause_s_longest):
+                longest.add_metric([str(generation)], pause)
+            yield longest
 
 
 class _Chunks(io.RawIOBase):

@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from indexer import protocol as p
+from indexer.collector import CollectorPauses, rare_collections
 from indexer.router.documents import Document, DocumentError, parse_line, vbucket_of
 from indexer.router.expiry import with_absolute_expiry
 from indexer.router.feed import RECONNECT_CODES, FeedError, FeedSecurity
@@ -434,10 +435,17 @@ class DocsApi:
     `Authorization: Bearer TOKEN`: otherwise 401 and nothing changes.
     """
 
-    def __init__(self, appender: Appender, nodes: Nodes, token: str = "") -> None:
+    def __init__(
+        self,
+        appender: Appender,
+        nodes: Nodes,
+        token: str = "",
+        collector: CollectorPauses | None = None,
+    ) -> None:
         self.appender = appender
         self.nodes = nodes
         self.token = token
+        self.collector = collector
         self.refused = 0
 
     async def __call__(
@@ -562,6 +570,9 @@ class DocsApi:
                 name: dataclasses.asdict(progress) for name, progress in self.nodes.progress.items()
             },
             "http_refused": self.refused,
+            "collector": (
+                None if self.collector is None else dataclasses.asdict(self.collector.statistics())
+            ),
             "expiry": {
                 "pending": source.pending_expiries,
                 "expired": self.appender.expired,
@@ -595,6 +606,7 @@ async def serve_http(
     appender: Appender,
     nodes: Nodes,
     token: str = "",
+    collector: CollectorPauses | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The documents API under hypercorn until cancelled; reports the bound address. With a
@@ -608,7 +620,7 @@ async def serve_http(
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger("indexer.router.http")
     hyper.graceful_timeout = 1.0
-    app = DocsApi(appender, nodes, token)
+    app = DocsApi(appender, nodes, token, collector)
 
     async def started(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(app, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
@@ -663,7 +675,7 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
     nodes = Nodes(targets)
     running: dict[Address, trio.CancelScope] = {}
     signals_of = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
-    with signals_of as signals:
+    with signals_of as signals, rare_collections() as collector:
         async with trio.open_nursery() as nursery:
 
             async def node_task(address: Address, scope: trio.CancelScope) -> None:
@@ -701,7 +713,7 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                 nursery.start_soon(watch.run, reconcile)
             if options.http is not None:
                 url = await nursery.start(
-                    serve_http, options.http, appender, nodes, options.security.token
+                    serve_http, options.http, appender, nodes, options.security.token, collector
                 )
                 log.info(
                     "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats)",

@@ -47,6 +47,7 @@ def test_health_stats_metrics_and_indexes(fed: tuple[Daemon, list[Document]]) ->
     assert stats["indexes"] == {name: {"entries": n} for name, n in want.items()}
     metrics = httpx.get(daemon.url + "/metrics").text
     assert f'indexer_index_entries{{index="by_age"}} {float(want["by_age"])}' in metrics
+    assert 'indexer_gc_pause_longest_seconds{generation="0"}' in metrics
     listed = subprocess.run(
         indexer_command("list-indexes", "--url", daemon.url), capture_output=True, text=True
     )

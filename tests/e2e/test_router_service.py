@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from indexer.collector import THRESHOLDS
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import WAIT_S, indexer_command, model, scan, wait_equal, write_jsonl
@@ -108,6 +109,11 @@ def test_the_documents_api_puts_and_deletes(
     documents += zipped
     wait_equal(daemon, documents)
     assert scan(daemon, "by_zip") == model(documents, ["zip"])
+    # Both run under the collector policy of indexer/collector.py, and time its pauses.
+    for stats_url in (url, daemon.url):
+        collector = httpx.get(f"{stats_url}/stats").json()["collector"]
+        assert collector["thresholds"] == list(THRESHOLDS), (stats_url, collector)
+        assert len(collector["pause_s_longest"]) == 3, collector
     assert router.stop() == 0
     assert daemon.stop() == 0
 
