@@ -521,6 +521,7 @@ def router(
     stream it to every --to node, then each new document as it comes."""
     from indexer.router import SourceError, SourceLog, Workload
     from indexer.router.service import RouterOptions, run_router
+    from indexer.storage import COMPACTION_NICE
 
     if follow and jsonl is None:
         fail("--follow needs --jsonl FILE", 2)
@@ -568,7 +569,7 @@ def router(
         security=_feed_security(token, token_file, tls, tls_ca),
     )
     try:
-        log = SourceLog(state, vbuckets)
+        log = SourceLog(state, vbuckets, compaction_nice=COMPACTION_NICE)
     except SourceError as exc:
         fail(str(exc))
     with log:

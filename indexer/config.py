@@ -19,6 +19,7 @@ import psutil
 from config import default_config_text
 from indexer.cluster import ClusterMapError, parse_vbuckets
 from indexer.protocol import MAX_TOKEN_CHARS, IndexDefinition
+from indexer.storage import COMPACTION_NICE
 from indexer.where import WhereError, normalize_where
 from slab import parse_size
 
@@ -70,6 +71,7 @@ class SnapshotConfig:
 @dataclass(frozen=True)
 class CompactionConfig:
     interval_s: float  # 0: only on demand
+    thread_nice: int = COMPACTION_NICE  # LevelDB's compaction thread; 0: as the daemon
 
 
 @dataclass(frozen=True)
@@ -394,7 +396,10 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         sample_interval_s=m.integer("sample_interval_ms", 1, 60_000) / 1000,
     )
     c = _Section(raw["compaction"], "compaction")
-    compaction = CompactionConfig(interval_s=c.integer("interval_minutes", 0, 525_600) * 60.0)
+    compaction = CompactionConfig(
+        interval_s=c.integer("interval_minutes", 0, 525_600) * 60.0,
+        thread_nice=c.integer("thread_nice", 0, 19),
+    )
     indexes = _indexes(raw.get("indexes", {}))
     security = _security(_Section(raw["security"], "security"))
     lim = _Section(raw["limits"], "limits")

@@ -79,7 +79,15 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
     """Run the daemon until SIGINT or SIGTERM, then drain and persist."""
     server = config.server
     server.data_dir.mkdir(parents=True, exist_ok=True)
-    with IndexStore(server.data_dir) as store, rare_collections() as collector:
+    nice = config.compaction.thread_nice
+    with (
+        IndexStore(server.data_dir, compaction_nice=nice) as store,
+        rare_collections() as collector,
+    ):
+        if store.compaction_thread is not None:
+            log.info(
+                "LevelDB compactions run at nice %d (thread %d)", nice, store.compaction_thread
+            )
         stored = store.ensure_indexes(config.indexes)
         # Indexes in their initial build are written by their build stream, not maintained yet.
         indexes = [i for i in stored if i.state != "building"]

@@ -14,8 +14,10 @@ docids with array operations (see `scans.entry_batches`).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +42,12 @@ StoreWriteError = plyvel.IOError
 # A key range no entry is in: compacting it only writes the memtable out and starts a new log.
 _LOG_SWITCH = (b"\xff\xfflog-switch", b"\xff\xfflog-switch\xff")
 _LOG_SWITCH_MARGIN = 1 << 20
+
+COMPACTION_NICE = 10
+"""The nice value of LevelDB's compaction thread in the daemon and the router (0..19, 0 = as
+the rest of the process). Compaction can wait a little; the event loop that carries
+maintenance cannot: an initial build doubles what a store writes, and its compactions at the
+same priority doubled the slowest maintenance writes on 2 cores (docs/performance.md)."""
 
 
 def describe(exc: BaseException) -> str:
@@ -99,10 +107,49 @@ def open_leveldb(
         raise failed(f"cannot open {what} in {path}: {exc}") from None
 
 
+def start_compaction_thread(db: Any, nice: int) -> int | None:
+    """Start LevelDB's compaction thread at `nice`; its thread id, or None if it was running.
+
+    LevelDB runs the compactions of every database of a process in one background thread,
+    started the first time a database schedules work, and on Linux a thread inherits the nice
+    value of the thread that creates it. So a short-lived thread raises its own nice value and
+    has the database write its (empty) memtable out, which schedules that work. Elsewhere than
+    Linux nice values are per process: nothing is done.
+    """
+    if not sys.platform.startswith("linux") or not 0 < nice < 20:
+        return None
+    before = set(os.listdir("/proc/self/task"))
+
+    def schedule() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            db.compact_range(start=_LOG_SWITCH[0], stop=_LOG_SWITCH[1])
+        except (OSError, plyvel.Error):
+            pass  # a full disk, say: LevelDB starts the thread later, at the usual priority
+
+    helper = threading.Thread(target=schedule, name="leveldb-compaction-start")
+    helper.start()
+    helper.join()
+    for tid in set(os.listdir("/proc/self/task")) - before:
+        if thread_nice(int(tid)) == nice:
+            return int(tid)
+    return None
+
+
+def thread_nice(tid: int) -> int | None:
+    """The nice value of a thread of this process (Linux), or None if it has ended."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            # Fields after the command's closing parenthesis; nice is the 19th field overall.
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class IndexStore:
     """Main and back index of every index in one LevelDB database."""
 
-    def __init__(self, data_dir: Path, create: bool = True) -> None:
+    def __init__(self, data_dir: Path, create: bool = True, compaction_nice: int = 0) -> None:
         path = data_dir / STORE_DIR
         if not create and not path.is_dir():
             raise StoreError(f"no store in {data_dir}")
@@ -110,6 +157,10 @@ class IndexStore:
             path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.db = open_leveldb(path, create)
+        # The id of LevelDB's compaction thread if this store started it at `compaction_nice`.
+        self.compaction_thread = (
+            start_compaction_thread(self.db, compaction_nice) if compaction_nice else None
+        )
         # Failed writes so far, and how many of them a log switch has left behind (see commit).
         self._write_lock = threading.Lock()
         self._switch_lock = threading.Lock()

@@ -29,7 +29,7 @@ from typing import Any
 from indexer.protocol import MAX_FAILOVER_ENTRIES
 from indexer.router.documents import Document, json_loads, vbucket_of
 from indexer.router.expiry import expiry_of, with_absolute_expiry
-from indexer.storage import open_leveldb
+from indexer.storage import open_leveldb, start_compaction_thread
 
 STATE_DIR = "source"
 DEFAULT_NUM_VBUCKETS = 1024
@@ -126,7 +126,11 @@ class SourceLog:
     """
 
     def __init__(
-        self, state_dir: Path, num_vbuckets: int | None = None, create: bool = True
+        self,
+        state_dir: Path,
+        num_vbuckets: int | None = None,
+        create: bool = True,
+        compaction_nice: int = 0,
     ) -> None:
         path = state_dir / STATE_DIR
         if not path.is_dir():
@@ -138,6 +142,8 @@ class SourceLog:
                 raise SourceError(f"cannot create {path}: {exc.strerror}") from None
         self.path = path
         self.db = _open(path, create)
+        if compaction_nice:  # storage.start_compaction_thread: the log compacts as it grows
+            start_compaction_thread(self.db, compaction_nice)
         try:
             self.num_vbuckets = self._check_vbuckets(num_vbuckets)
             self._vbuckets = self._load_vbuckets()

@@ -283,6 +283,18 @@ def wait_equal(daemon: Daemon, documents: list[Document], timeout: float = WAIT_
 # Fault and memory tests: the daemon's statistics and its RSS over time
 
 
+def thread_nices(pid: int) -> dict[int, int]:
+    """The nice value of every thread of a process (Linux), by thread id."""
+    nices = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+        except OSError:
+            continue  # the thread ended meanwhile
+    return nices
+
+
 def daemon_stats(daemon: Daemon) -> dict[str, Any]:
     """The daemon's `GET /stats`."""
     answer = httpx.get(f"{daemon.url}/stats", timeout=30)

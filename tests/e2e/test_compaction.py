@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from indexer.router import Workload, generate
-from tests.e2e.conftest import indexer_command, run_feed, scan, write_jsonl
+from tests.e2e.conftest import indexer_command, run_feed, scan, thread_nices, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -46,6 +46,12 @@ def test_compaction_on_demand_frees_space_and_changes_no_answer(
     assert stats["compaction"]["runs"] == 1 and stats["compaction"]["last"] == result
     # A full compaction leaves nothing in LevelDB's level 0.
     assert stats["storage"]["level0_files"] == 0
+    # It ran in LevelDB's thread, at the default [compaction] thread_nice; the daemon's own
+    # threads keep their priority.
+    nices = thread_nices(daemon.proc.pid)
+    assert nices[daemon.proc.pid] == 0
+    assert sorted(nices.values()).count(10) == 1, nices
+    assert "LevelDB compactions run at nice 10" in daemon.log()
     assert "compacted the store (requested)" in daemon.log()
 
     # The CLI wrapper; in-process compaction is refused while the daemon holds the store.

@@ -15,7 +15,16 @@ import pytest
 from indexer.collector import THRESHOLDS
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
-from tests.e2e.conftest import WAIT_S, indexer_command, model, scan, wait_equal, write_jsonl
+from indexer.storage import COMPACTION_NICE
+from tests.e2e.conftest import (
+    WAIT_S,
+    indexer_command,
+    model,
+    scan,
+    thread_nices,
+    wait_equal,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -114,6 +123,10 @@ def test_the_documents_api_puts_and_deletes(
         collector = httpx.get(f"{stats_url}/stats").json()["collector"]
         assert collector["thresholds"] == list(THRESHOLDS), (stats_url, collector)
         assert len(collector["pause_s_longest"]) == 3, collector
+    # Both run LevelDB's compactions at a lower priority than their own threads (storage.py).
+    for pid in (router.proc.pid, daemon.proc.pid):
+        nices = thread_nices(pid)
+        assert nices[pid] == 0 and list(nices.values()).count(COMPACTION_NICE) == 1, nices
     assert router.stop() == 0
     assert daemon.stop() == 0
 

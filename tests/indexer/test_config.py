@@ -13,6 +13,8 @@ def test_embedded_default_is_valid_and_documented() -> None:
     assert config.server.host == "127.0.0.1"
     assert len(config.server.owned_vbuckets) == config.server.num_vbuckets == 1024
     assert [i.name for i in config.indexes] == ["by_city", "by_age"]
+    assert config.compaction.thread_nice == 10
+    assert parse_config("[compaction]\nthread_nice = 0\n").compaction.thread_nice == 0
     from config import default_config_text
 
     lines = default_config_text().splitlines()
@@ -45,6 +47,7 @@ def test_sizes_and_vbucket_ranges() -> None:
         ('[server]\nlog_level = "loud"\n', "server.log_level"),
         ("[snapshots]\npersist_interval_ms = true\n", "snapshots.persist_interval_ms"),
         ("[slab]\npool = 1000\n", "slab.pool"),
+        ("[compaction]\nthread_nice = 20\n", "compaction.thread_nice"),
         ("[indexes.x]\nkeys = []\n", "indexes.x.keys"),
         ('[indexes."../etc"]\nkeys = ["a"]\n', "indexes.../etc"),
         ('[indexes.x]\nkeys = ["a"]\nwhere = 1\n', "indexes.x.where"),
