@@ -355,6 +355,7 @@ class _Peer:
         self.stream = stream
         self.decoder = p.FrameDecoder(64 << 20)
         self.acked: dict[int, int] = {}
+        self.on_ack: Callable[[p.Ack], None] | None = None  # told of every ACK as it comes
         self.changed = trio.Event()
         # Decoded and not yet taken, in arrival order: a later ACK must not be undone by an
         # earlier one that came in the same receive.
@@ -405,6 +406,8 @@ class _Peer:
         if isinstance(message, p.Ack):
             for position in message.positions:
                 self.acked[position.vbucket] = position.seqno
+            if self.on_ack is not None:
+                self.on_ack(message)
         elif isinstance(message, p.BufferAck):
             self.credited += message.nbytes
         elif isinstance(message, p.BarrierReply):

@@ -11,9 +11,15 @@ cursor). A cursor that reads the open snapshot closes it, and a new open snapsho
 snapshot never changes once read. Closed snapshots every cursor has passed are freed; runs of
 consecutive closed snapshots no cursor is in are collapsed into one, de-duplicating across them.
 
+A consumer whose connection may break also says what it holds for good (`keep`: what the
+indexer acknowledged): memory keeps what follows that seqno until the consumer moves it on, as
+if a cursor stood there, so that after a reconnect it resumes from memory rather than from the
+source log (what was in flight when a connection closed is not lost to memory).
+
 Memory is capped: over the cap the manager first expels what no cursor needs, then drops the
-cursors furthest behind. A dropped cursor, or one registered below what memory holds, must read
-the source log (the caller's job) and then `rejoin` memory at the seqno it reached.
+cursors (and kept seqnos) furthest behind. A dropped cursor, or one registered below what memory
+holds, must read the source log (the caller's job) and then `rejoin` memory at the seqno it
+reached.
 
 Guarantee to every cursor: each snapshot it reads starts right after its seqno (no gap, nothing
 twice), and after it the consumer holds, for every docid, its latest item as of the snapshot's
@@ -97,6 +103,7 @@ class MutationStats:
     cursors: int
     backfilling: int
     cursors_dropped: int
+    kept: int  # consumers' kept seqnos, over all vbuckets
     snapshots_collapsed: int
     items_expelled: int
 
@@ -199,13 +206,14 @@ class _Cursor:
 class _Vbucket:
     """A vbucket's snapshots (the last one open), cursors and high seqno."""
 
-    __slots__ = ("bytes", "cursors", "high", "number", "snapshots")
+    __slots__ = ("bytes", "cursors", "high", "kept", "number", "snapshots")
 
     def __init__(self, number: int, high: int) -> None:
         self.number = number
         self.high = high
         self.snapshots = [_Snapshot(high + 1)]
         self.cursors: dict[str, _Cursor] = {}
+        self.kept: dict[str, int] = {}  # consumer -> the seqno it may resume from (`keep`)
         self.bytes = 0
 
     def floor(self) -> int:
@@ -213,7 +221,11 @@ class _Vbucket:
         return self.snapshots[0].start - 1
 
     def positions(self) -> list[int]:
-        return [c.position for c in self.cursors.values() if c.position is not None]
+        """Where cursors stand and consumers keep: memory after the lowest must stay."""
+        out = [c.position for c in self.cursors.values() if c.position is not None]
+        if self.kept:
+            out.extend(self.kept.values())
+        return out
 
 
 class MutationManager:
@@ -292,6 +304,7 @@ class MutationManager:
                 c.backfill_after is not None for vb in vbs for c in vb.cursors.values()
             ),
             cursors_dropped=self._dropped,
+            kept=sum(len(vb.kept) for vb in vbs),
             snapshots_collapsed=self._collapsed,
             items_expelled=self._expelled,
         )
@@ -423,9 +436,26 @@ class MutationManager:
         self._unpinned.discard(vbucket)
 
     def unregister_consumer(self, consumer: str) -> None:
-        """Remove every cursor of the consumer (its connection closed)."""
+        """Remove every cursor of the consumer (its connection closed); what it keeps stays."""
         for vb in self._vbuckets.values():
             if vb.cursors.pop(consumer, None) is not None:
+                self._tidy(vb)
+                self._unpinned.add(vb.number)
+
+    def keep(self, consumer: str, vbucket: int, seqno: int) -> None:
+        """The consumer holds everything up to `seqno` for good: should it connect again, it
+        resumes from there, so memory keeps what follows (while the cap allows) until a later
+        `keep` moves it on. Memory below its floor is gone: then it keeps from the floor."""
+        vb = self._vbucket(vbucket)
+        vb.kept[consumer] = min(max(seqno, vb.floor()), vb.high)
+        self._tidy(vb)
+        self._unpinned.add(vbucket)
+
+    def forget_consumer(self, consumer: str) -> None:
+        """The consumer is gone for good: its cursors and what it keeps go."""
+        for vb in self._vbuckets.values():
+            had = vb.cursors.pop(consumer, None) is not None
+            if vb.kept.pop(consumer, None) is not None or had:
                 self._tidy(vb)
                 self._unpinned.add(vb.number)
 
@@ -518,6 +548,8 @@ class MutationManager:
                     cursor.position = None
                     dropped.append((vb, cursor))
                     self._dropped += 1
+            for consumer in [c for c, seqno in vb.kept.items() if seqno == low]:
+                del vb.kept[consumer]  # a reconnect of it will read the source log
             self._expel(vb)
         return [self._backfill(vb, cursor) for vb, cursor in dropped]
 

@@ -180,7 +180,9 @@ class NodeCursors:
     """One connection's cursors (sans-IO): memory snapshots and backfill chunks in, frames out.
 
     Every vbucket gets a cursor at its restart seqno, so vbuckets first written after the
-    handshake are streamed too. `requests` collects the backfills to start.
+    handshake are streamed too. `requests` collects the backfills to start. With `keep`, memory
+    keeps what follows the restart seqnos, and then what follows each acknowledged seqno, for
+    this consumer's next connection (MutationManager.keep).
     """
 
     def __init__(
@@ -191,6 +193,7 @@ class NodeCursors:
         consumer: str,
         batch_records: int = BATCH_RECORDS,
         recent: RecentDocuments | None = None,
+        keep: bool = False,
     ) -> None:
         self.source = source
         self.recent = recent
@@ -221,13 +224,22 @@ class NodeCursors:
                 backfill = mm.register(consumer, vb, seqno)
                 if backfill is not None:
                     self._start_backfill(backfill)
+                if keep:
+                    mm.keep(consumer, vb, seqno)
         except BaseException:
             mm.unregister_consumer(consumer)
             raise
+        self._owned = frozenset(self.vbuckets)
 
     def close(self) -> None:
-        """The connection is gone: its cursors stop pinning memory."""
+        """The connection is gone: its cursors stop pinning memory (what it keeps stays)."""
         self.mm.unregister_consumer(self.consumer)
+
+    def acknowledged(self, ack: p.Ack) -> None:
+        """The node acknowledged these seqnos: memory need keep only what follows them."""
+        for position in ack.positions:
+            if position.vbucket in self._owned:
+                self.mm.keep(self.consumer, position.vbucket, position.seqno)
 
     def take_requests(self) -> list[Backfill]:
         requests, self.requests = self.requests, []
@@ -445,9 +457,13 @@ async def follow_memory(
     async def run(peer: _Peer) -> NoReturn:
         reply = await _handshake(peer, handshake, settings)
         try:
-            cursors = NodeCursors(reply, source, mm, consumer, recent=recent)
+            # A maintenance stream resumes after a reconnect from what the node acknowledged:
+            # memory keeps what follows for it. A build stream resumes from what it wrote.
+            cursors = NodeCursors(reply, source, mm, consumer, recent=recent, keep=not build)
         except MutationError as exc:
             raise FeedError(f"the indexer's restart positions do not fit the log: {exc}") from None
+        if not build:
+            peer.on_ack = cursors.acknowledged
         stats.connected = True
         stats.connections += 1
         if on_connected is not None:

@@ -365,67 +365,74 @@ async def _keep_streaming(
     progress = nodes.progress.setdefault(name, NodeProgress())
     backoff = BACKOFF_MIN_S
     last_failure = ""
-    while True:
-        connected: float | None = None  # when the handshake was answered
+    try:
+        while True:
+            connected: float | None = None  # when the handshake was answered
 
-        def on_connected(reply: p.HandshakeReply, backfills: int) -> None:
-            nonlocal connected
-            connected = trio.current_time()
-            restart = sum(position.seqno for position in reply.restart)
-            log.info(
-                "%s: connected; resuming from restart seqno sum %d, %d vbuckets from the log",
-                name,
-                restart,
-                backfills,
-            )
-            if on_connect is not None:
-                on_connect(reply)
-
-        def on_rollback(vbucket: int, seqno: int) -> None:
-            log.warning("%s: vbucket %d: the indexer rolled back to seqno %d", name, vbucket, seqno)
-
-        try:
-            with trio.CancelScope() as scope:
-                nodes.scopes[name] = scope
-                await follow_memory(
-                    host,
-                    port,
-                    source,
-                    appender.mm,
-                    appender.next_change,
-                    consumer=name,
-                    router_name=router_name,
-                    on_rollback=on_rollback,
-                    on_connected=on_connected,
-                    progress=progress,
-                    build=build,
-                    defer=defer,
-                    recent=appender.recent,
-                    security=security,
+            def on_connected(reply: p.HandshakeReply, backfills: int) -> None:
+                nonlocal connected
+                connected = trio.current_time()
+                restart = sum(position.seqno for position in reply.restart)
+                log.info(
+                    "%s: connected; resuming from restart seqno sum %d, %d vbuckets from the log",
+                    name,
+                    restart,
+                    backfills,
                 )
-            log.info("%s: handshaking again after a failover", name)
-            continue
-        except (FeedError, OSError) as exc:
-            code = exc.code if isinstance(exc, FeedError) else None
-            if code is p.ErrorCode.NOT_MY_SLICE and nodes.on_not_my_slice is not None:
-                log.warning("%s: %s; re-reading the cluster map", name, exc)
-                nodes.on_not_my_slice()
-            if build and code is p.ErrorCode.BUILD_DONE:
-                log.info("%s: the build stream is done: %s", name, exc)
-                nodes.progress.pop(name, None)
-                return
-            delay = backoff
-            if connected is not None:
-                if trio.current_time() - connected >= STEADY_S:
-                    backoff = BACKOFF_MIN_S  # a connection that worked a while: start over
-                delay = 0 if code in RECONNECT_CODES else backoff
-                log.warning("%s: disconnected: %s", name, exc)
-                last_failure = ""
-            elif str(exc) != last_failure:  # once per kind of failure while it lasts
-                log.warning("%s: %s; retrying", name, exc)
-                last_failure = str(exc)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
-            await trio.sleep(delay)
+                if on_connect is not None:
+                    on_connect(reply)
+
+            def on_rollback(vbucket: int, seqno: int) -> None:
+                log.warning(
+                    "%s: vbucket %d: the indexer rolled back to seqno %d", name, vbucket, seqno
+                )
+
+            try:
+                with trio.CancelScope() as scope:
+                    nodes.scopes[name] = scope
+                    await follow_memory(
+                        host,
+                        port,
+                        source,
+                        appender.mm,
+                        appender.next_change,
+                        consumer=name,
+                        router_name=router_name,
+                        on_rollback=on_rollback,
+                        on_connected=on_connected,
+                        progress=progress,
+                        build=build,
+                        defer=defer,
+                        recent=appender.recent,
+                        security=security,
+                    )
+                log.info("%s: handshaking again after a failover", name)
+                continue
+            except (FeedError, OSError) as exc:
+                code = exc.code if isinstance(exc, FeedError) else None
+                if code is p.ErrorCode.NOT_MY_SLICE and nodes.on_not_my_slice is not None:
+                    log.warning("%s: %s; re-reading the cluster map", name, exc)
+                    nodes.on_not_my_slice()
+                if build and code is p.ErrorCode.BUILD_DONE:
+                    log.info("%s: the build stream is done: %s", name, exc)
+                    nodes.progress.pop(name, None)
+                    return
+                delay = backoff
+                if connected is not None:
+                    if trio.current_time() - connected >= STEADY_S:
+                        backoff = BACKOFF_MIN_S  # a connection that worked a while: start over
+                    delay = 0 if code in RECONNECT_CODES else backoff
+                    log.warning("%s: disconnected: %s", name, exc)
+                    last_failure = ""
+                elif str(exc) != last_failure:  # once per kind of failure while it lasts
+                    log.warning("%s: %s; retrying", name, exc)
+                    last_failure = str(exc)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                await trio.sleep(delay)
+    finally:
+        # Gone for good (stopped, the node left the map, the build is done): memory kept
+        # for its reconnects is freed.
+        appender.mm.forget_consumer(name)
 
 
 class DocsApi:

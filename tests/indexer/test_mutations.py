@@ -392,6 +392,46 @@ def test_reset_after_a_failover_forgets_the_vbucket_only() -> None:
     check_structure(mm)
 
 
+def test_what_a_consumer_keeps_outlives_its_connection_until_it_moves_on() -> None:
+    managers = {}
+    for keeps in (True, False):
+        mm = managers[keeps] = MutationManager(BIG, item_overhead=0)
+        mm.register("i1", 0, 0)
+        if keeps:
+            mm.keep("i1", 0, 0)
+        write(mm, 0, (1, "a", "a1"), (2, "b", "b1"), (3, "c", "c1"))
+        assert [s.end for s in mm.read("i1", 0)] == [3]  # passed: freed unless kept
+        if keeps:
+            mm.keep("i1", 0, 1)  # the indexer acknowledged seqno 1; 2 and 3 were in flight
+        mm.unregister_consumer("i1")
+        write(mm, 0, (4, "d", "d1"))
+    assert managers[True].floor(0) <= 1 and managers[True].stats().kept == 1
+    assert managers[False].floor(0) == 3 and managers[False].stats().kept == 0
+    # The indexer had received up to 2 when the connection closed.
+    assert managers[False].register("i1", 0, 2) == Backfill("i1", 0, 2, 3)
+    mm = managers[True]
+    assert mm.register("i1", 0, 2) is None
+    assert mm.read("i1", 0) == [snap(0, 3, 3, (3, "c", "c1")), snap(0, 4, 4, (4, "d", "d1"))]
+    mm.keep("i1", 0, 4)  # moved on: what it passed is freed
+    assert mm.floor(0) == 4
+    mm.forget_consumer("i1")
+    assert mm.stats().kept == 0 and mm.stats().cursors == 0
+    check_structure(mm)
+
+
+def test_over_the_cap_what_is_kept_goes_like_a_cursor_furthest_behind() -> None:
+    mm = MutationManager(capacity=3 * cost("a", "xxxx"), item_overhead=10)
+    mm.register("i1", 0, 0)
+    mm.keep("i1", 0, 0)
+    write(mm, 0, (1, "a", "xxxx"), (2, "b", "xxxx"))
+    assert [s.end for s in mm.read("i1", 0)] == [2]
+    mm.unregister_consumer("i1")
+    assert write(mm, 0, (3, "c", "xxxx"), (4, "d", "xxxx")) == []  # nobody to drop but kept
+    assert mm.stats().kept == 0 and mm.memory <= mm.capacity
+    assert mm.register("i1", 0, 1) == Backfill("i1", 0, 1, mm.floor(0))
+    check_structure(mm)
+
+
 def test_backfill_snapshots_cut_anywhere() -> None:
     items = [Item(s, b"a", b"%d" % s) for s in (2, 3, 5, 8)]
     assert list(backfill_snapshots(0, items, 2, 7, 2)) == [
@@ -585,6 +625,31 @@ class MutationMachine(RuleBasedStateMachine):
         c = self.pick(data)
         del self.consumers[c.name, c.vb]
         self.mm.unregister(c.name, c.vb)
+
+    @precondition(has_consumers)
+    @rule(data=st.data())
+    def keep(self, data: st.DataObject) -> None:
+        """The indexer acknowledged a seqno it has."""
+        c = self.pick(data)
+        self.mm.keep(c.name, c.vb, data.draw(st.integers(0, c.position), label="acked"))
+
+    @precondition(has_consumers)
+    @rule(data=st.data())
+    def reconnect(self, data: st.DataObject) -> None:
+        """The connection closed; the consumer comes back from a seqno at or after what it
+        kept: memory still holds what follows unless the cap dropped what it kept."""
+        c = self.pick(data)
+        kept = self.mm._vbuckets[c.vb].kept.get(c.name)
+        if c.backfilling or kept is None:
+            return
+        after = data.draw(st.integers(kept, c.position), label="resume")
+        self.mm.unregister_consumer(c.name)
+        for other in [o for o in self.consumers.values() if o.name == c.name]:
+            del self.consumers[other.name, other.vb]
+        assert self.mm.register(c.name, c.vb, after) is None, "kept memory covers the resume"
+        self.consumers[c.name, c.vb] = Consumer(
+            c.name, c.vb, after, latest(self.history[c.vb], after)
+        )
 
     @precondition(has_backfilling)
     @rule(data=st.data(), chunk=st.integers(1, 4))

@@ -154,6 +154,32 @@ def test_memory_then_a_restart_below_memory_backfills_then_rejoins(source: Sourc
     assert cursors.backfilled > 0 and cursors.sent > 0
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_reconnect_resumes_from_memory_what_the_node_acknowledged(
+    source: SourceLog, keep: bool
+) -> None:
+    mm = MutationManager(capacity=1 << 30)
+    append(source, mm, docs(0, 300, ids=250))
+    cursors = NodeCursors(reply(), source, mm, "node", keep=keep)
+    assert Consumer().take(cursors.memory_chunks()) > 0  # all sent: memory passed by then
+    highs = {vb: source.high_seqno(vb) for vb in range(N)}
+    acked = {vb: high // 2 for vb, high in highs.items()}
+    cursors.acknowledged(p.Ack(tuple(p.VbucketPosition(vb, s, 0) for vb, s in acked.items())))
+    cursors.close()  # the node closed the connection; it had received up to 3/4
+    append(source, mm, docs(300, 40, ids=250))
+    restart = {vb: highs[vb] * 3 // 4 for vb in range(N)}
+    again = NodeCursors(reply(restart), source, mm, "node", keep=keep)
+    if not keep:  # the passed snapshots were freed: the rest comes from the log
+        assert {b.vbucket for b in again.requests} == set(range(N))
+        return
+    assert not again.requests
+    consumer = Consumer()
+    consumer.last = dict(restart)
+    consumer.begun = set(range(N))
+    assert consumer.take(again.memory_chunks()) > 0  # right after the restart, no gap
+    assert consumer.last == {vb: source.high_seqno(vb) for vb in range(N)}
+
+
 def test_a_cursor_dropped_over_the_cap_reads_the_log_and_nothing_is_lost(
     source: SourceLog,
 ) -> None:
