@@ -640,7 +640,7 @@ class MutationMachine(RuleBasedStateMachine):
         kept: memory still holds what follows unless the cap dropped what it kept."""
         c = self.pick(data)
         kept = self.mm._vbuckets[c.vb].kept.get(c.name)
-        if c.backfilling or kept is None:
+        if c.backfilling or kept is None or kept > c.position:  # kept by an earlier cursor
             return
         after = data.draw(st.integers(kept, c.position), label="resume")
         self.mm.unregister_consumer(c.name)
