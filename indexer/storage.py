@@ -46,8 +46,9 @@ _LOG_SWITCH_MARGIN = 1 << 20
 COMPACTION_NICE = 10
 """The nice value of LevelDB's compaction thread in the daemon and the router (0..19, 0 = as
 the rest of the process). Compaction can wait a little; the event loop that carries
-maintenance cannot: an initial build doubles what a store writes, and its compactions at the
-same priority doubled the slowest maintenance writes on 2 cores (docs/performance.md)."""
+maintenance cannot: an initial build triples the time a store spends compacting, and at the
+same priority those compactions were behind most of the slowest maintenance writes on 2 cores
+(docs/performance.md)."""
 
 
 def describe(exc: BaseException) -> str:
@@ -114,7 +115,7 @@ def start_compaction_thread(db: Any, nice: int) -> int | None:
     started the first time a database schedules work, and on Linux a thread inherits the nice
     value of the thread that creates it. So a short-lived thread raises its own nice value and
     has the database write its (empty) memtable out, which schedules that work. Elsewhere than
-    Linux nice values are per process: nothing is done.
+    Linux nice values are per process: nothing is done; nor for a nice value of 0.
     """
     if not sys.platform.startswith("linux") or not 0 < nice < 20:
         return None
@@ -158,9 +159,7 @@ class IndexStore:
         self.path = path
         self.db = open_leveldb(path, create)
         # The id of LevelDB's compaction thread if this store started it at `compaction_nice`.
-        self.compaction_thread = (
-            start_compaction_thread(self.db, compaction_nice) if compaction_nice else None
-        )
+        self.compaction_thread = start_compaction_thread(self.db, compaction_nice)
         # Failed writes so far, and how many of them a log switch has left behind (see commit).
         self._write_lock = threading.Lock()
         self._switch_lock = threading.Lock()

@@ -453,9 +453,9 @@ class MutationManager:
 
     def forget_consumer(self, consumer: str) -> None:
         """The consumer is gone for good: its cursors and what it keeps go."""
+        self.unregister_consumer(consumer)
         for vb in self._vbuckets.values():
-            had = vb.cursors.pop(consumer, None) is not None
-            if vb.kept.pop(consumer, None) is not None or had:
+            if vb.kept.pop(consumer, None) is not None:
                 self._tidy(vb)
                 self._unpinned.add(vb.number)
 

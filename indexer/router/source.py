@@ -142,8 +142,7 @@ class SourceLog:
                 raise SourceError(f"cannot create {path}: {exc.strerror}") from None
         self.path = path
         self.db = _open(path, create)
-        if compaction_nice:  # storage.start_compaction_thread: the log compacts as it grows
-            start_compaction_thread(self.db, compaction_nice)
+        start_compaction_thread(self.db, compaction_nice)  # the log compacts as it grows
         try:
             self.num_vbuckets = self._check_vbuckets(num_vbuckets)
             self._vbuckets = self._load_vbuckets()
