@@ -19,6 +19,7 @@ import shutil
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,22 +120,36 @@ def start_compaction_thread(db: Any, nice: int) -> int | None:
     """
     if not sys.platform.startswith("linux") or not 0 < nice < 20:
         return None
-    before = set(os.listdir("/proc/self/task"))
+    # Threads that are not LevelDB's: those running now, and the helper below.
+    others = set(os.listdir("/proc/self/task"))
+    found: list[int] = []
 
     def schedule() -> None:
+        others.add(str(threading.get_native_id()))
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             db.compact_range(start=_LOG_SWITCH[0], stop=_LOG_SWITCH[1])
         except (OSError, plyvel.Error):
-            pass  # a full disk, say: LevelDB starts the thread later, at the usual priority
+            return  # a full disk, say: LevelDB starts the thread later, at the usual priority
+        # Looked for while this thread lives: a listing of a process's threads stops early at
+        # a thread that is exiting, and would miss the ones after it.
+        found.extend(_new_threads_at(others, nice))
 
     helper = threading.Thread(target=schedule, name="leveldb-compaction-start")
     helper.start()
     helper.join()
-    for tid in set(os.listdir("/proc/self/task")) - before:
-        if thread_nice(int(tid)) == nice:
-            return int(tid)
+    for _ in range(3):
+        if found:
+            return found[0]
+        time.sleep(0.002)  # another thread exiting may have cut the listing short
+        found.extend(_new_threads_at(others, nice))
     return None
+
+
+def _new_threads_at(others: set[str], nice: int) -> list[int]:
+    """Threads of this process not among `others` whose nice value is `nice`."""
+    tids = (int(tid) for tid in set(os.listdir("/proc/self/task")) - others)
+    return [tid for tid in tids if thread_nice(tid) == nice]
 
 
 def thread_nice(tid: int) -> int | None:

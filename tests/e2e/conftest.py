@@ -286,7 +286,9 @@ def wait_equal(daemon: Daemon, documents: list[Document], timeout: float = WAIT_
 def thread_nices(pid: int) -> dict[int, int]:
     """The nice value of every thread of a process (Linux), by thread id."""
     nices = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    # A listing stops early at a thread that is exiting, so take the union of a few.
+    tids = set().union(*(os.listdir(f"/proc/{pid}/task") for _ in range(3)))
+    for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 nices[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
