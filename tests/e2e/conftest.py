@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -28,11 +29,36 @@ pytestmark = pytest.mark.e2e
 INDEXES = {"by_city": ["address.city", "age"], "by_age": ["age"]}
 
 
+def _ephemeral_ports() -> range:
+    """The range the kernel picks outgoing connections' ports from (Linux; elsewhere a guess)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
+# Ports this test process has handed out: a daemon binds its port some time after it is chosen.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A port free on 127.0.0.1 now, below the ephemeral range and not handed out before.
+
+    A port the kernel picked for a bind to port 0 could be picked again for an outgoing
+    connection (the feeds, HTTP clients) before the daemon that was given it binds it.
+    """
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(20_000, 32_768) if p not in ephemeral and p not in _HANDED_OUT]
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
         return port
+    raise AssertionError("no free port on 127.0.0.1 below the ephemeral range")
 
 
 def indexer_command(*args: str) -> list[str]:
