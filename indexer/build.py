@@ -7,11 +7,12 @@ source log, then memory) and follows the router live. The build has its own stre
 maintenance stream keeps the active indexes current meanwhile and never waits for it. Every
 flush writes the entries and the build's progress in one WriteBatch: a daemon killed during a
 build resumes from its progress. Once the build has caught up with what the maintenance stream
-has received, the catalog merges it (`IndexCatalog.merge_build`): maintenance stops at a
-timestamp M, the build goes on until it has completed a snapshot reaching M in every vbucket,
-and the index joins the maintenance stream, which resumes from M. Nothing is lost. What the build
-applied past M (the rest of those snapshots) maintenance applies again, in seqno order, with
-the same keys, which ends in the same entries.
+has received, the catalog merges it (`IndexCatalog.merge_build`) in band: maintenance records
+have carried the index's key since its creation, unwritten; maintenance's flushes stop at the
+timestamp M written so far, the build goes on until it has completed a snapshot reaching M in
+every vbucket, and maintenance writes the index's key from the records after M. Nothing is
+lost, and no router reconnects. What the build applied past M (the rest of those snapshots)
+maintenance applies again, in seqno order, with the same keys, which ends in the same entries.
 
 The build's queued records live in the daemon's slab pool like the maintenance stream's, within
 a share of it (`BuildShare`) that all builds hold together: a build takes chunks only when the
@@ -149,6 +150,7 @@ class IndexBuild:
         # True while the maintenance stream has a backlog: the build waits (it never comes
         # first); its channel fills and TCP pushes back on the router's build stream.
         self.defer = defer
+        self.merging = False  # set by the merge: maintenance waits for the build, not after it
         self.index = index
         self.maintenance = maintenance
         n = len(maintenance.received)
@@ -281,7 +283,7 @@ class IndexBuild:
     async def _flush(self, items: list[QueuedBatch | p.SnapshotMarker]) -> None:
         """Write the items (after maintenance's backlog is gone) and free their chunks."""
         try:
-            while self.defer is not None and self.defer():
+            while self.defer is not None and not self.merging and self.defer():
                 await trio.sleep(CHECK_S / 10)
             chunks: list[int] = []
             progress = list(self.progress)

@@ -8,15 +8,18 @@ handshake switch to the new set, and routers reconnect, learn it, and resume fro
 timestamp (the daemon skips what it already has).
 
 An index created when the daemon already holds data is built first (indexer/build.py): it gets
-its own build stream and writer, and joins the maintained set by such a change once the build
-has caught up, completed exactly up to the timestamp at which maintenance stopped.
+its own build stream and writer. Its creation is such a change too: from then on maintenance
+records carry its key beside those of the active indexes, and the writers skip it. Once the build
+has caught up it is merged in band, with no router reconnecting: flushes stop at a timestamp M,
+the end of the last complete snapshots (what follows stays queued), the build completes up to M,
+and the writers write its key from the records after M on.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
@@ -84,6 +87,9 @@ class IndexCatalog:
         self._build_scopes: dict[str, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
         self.merged = 0
+        # The indexes whose keys maintenance records carry, in record order: the active ones
+        # and those being built. A merge leaves it as it is; creates and drops change it.
+        self.columns: list[IndexDefinition] = [i.definition for i in indexes]
 
     def add_build(self, index: StoredIndex) -> IndexBuild:
         """Start the initial build of a stored "building" index (at start-up or on create)."""
@@ -98,9 +104,19 @@ class IndexCatalog:
             self._maintenance_backlog,
         )
         self.builds[build.name] = build
+        if all(d.name != build.name for d in self.columns):
+            self.columns.append(index.definition)
         if self._nursery is not None:
             self._nursery.start_soon(self._run_build, build)
         return build
+
+    def switch_writers(self) -> None:
+        """Give every worker a writer of the active indexes for records of `columns`."""
+        names = [d.name for d in self.columns]
+        for worker in self.workers:
+            worker.writer = IndexWriter(
+                self.store, self.indexes, self.cache, worker.writer.undo, names
+            )
 
     def _maintenance_backlog(self) -> bool:
         """Whether the maintenance queues hold more than MAINTENANCE_BACKLOG records."""
@@ -152,6 +168,7 @@ class IndexCatalog:
             stored = self.store.create_index(definition)
             created.append(stored)
             self.indexes.append(stored)
+            self.columns.append(definition)
             self.cache.add_index()
             self.timekeeper.entry_counts.append(0)
 
@@ -165,41 +182,33 @@ class IndexCatalog:
         return created[0]
 
     async def _create_building(self, definition: IndexDefinition) -> StoredIndex:
-        async with self._lock:
-            try:
-                stored = self.store.create_index(definition, "building")
-            except StoreError as exc:
-                raise CatalogError(409, str(exc)) from None
+        created: list[StoredIndex] = []
+
+        def apply() -> None:
+            stored = self.store.create_index(definition, "building")
+            created.append(stored)
             self.add_build(stored)
-            # Routers learn of the build on their next handshake: ask for one now.
-            self.reader.close_connections(
-                ErrorCode.INDEXES_CHANGED,
-                f"index {definition.name} is being built: handshake again",
-            )
-            try:
-                while self.reader.connected:
-                    await trio.sleep(0.01)
-            finally:
-                self.reader.reopen(self.reader.indexes)
+
+        # Routers learn of the build, and carry its key from now on, at their next handshake.
+        await self.change_pipeline(
+            apply, message=f"index {definition.name} is being built: handshake again"
+        )
         log.info(
             "index %s(%s)%s created: building it over the data already streamed",
             definition.name,
             ", ".join(definition.keys),
             "" if definition.where is None else f" WHERE {definition.where}",
         )
-        return stored
+        return created[0]
 
     async def merge_build(self, build: IndexBuild) -> bool:
-        """Make a caught-up build's index active at the timestamp maintenance stops at."""
+        """Make a caught-up build's index active in band (see module doc): flushes stop at the
+        last complete snapshots M, the build completes up to M, and the writers switch."""
         name = build.name
-        merged_at: list[int] = []
         phases: dict[str, float] = {}
-        started = 0.0  # when maintenance stops
 
-        async def complete_build() -> None:
-            phases["queued"] = trio.current_time() - started
-            upto = list(self.reader.registry.received)
-            merged_at[:] = upto
+        async def complete_build(upto: Sequence[int], started: float) -> None:
+            phases["flush"] = trio.current_time() - started
             with trio.move_on_after(MERGE_TIMEOUT_S):
                 while not build.reached(upto):
                     await build.wait_moved()
@@ -211,18 +220,22 @@ class IndexCatalog:
             if scope is not None:
                 scope.cancel()
                 await build.stopped.wait()
-            phases["build"] = trio.current_time() - started - phases["queued"]
+            phases["build"] = trio.current_time() - started - phases["flush"]
 
         def apply() -> None:
             t0 = trio.current_time()
-            stored = self.store.activate(name)
+            try:
+                stored = self.store.activate(name)
+            except StoreError as exc:
+                raise CatalogError(409, str(exc)) from None
             self.indexes.append(stored)
             self.cache.add_built_index(build.cache, merge)
             self.timekeeper.entry_counts.append(build.entries)
             self.timekeeper.forget_recovery_points()
             build.state = "merged"
             del self.builds[name]
-            build.release()  # what it received past the merge, maintenance applies
+            build.release()  # what it received past M, maintenance applies
+            self.switch_writers()
             phases["switch"] = trio.current_time() - t0
 
         # Widen the back-index cache by the build's column while maintenance goes on: at the
@@ -231,17 +244,27 @@ class IndexCatalog:
         try:
             while merge.step(MERGE_SLICE_S):
                 await trio.sleep(MERGE_PAUSE_S)
-            if self.builds.get(name) is not build:  # dropped meanwhile
-                return False
-            started = trio.current_time()
-            await self.change_pipeline(apply, complete_build)
+            async with self._lock:
+                if self.builds.get(name) is not build:  # dropped meanwhile
+                    return False
+                # Maintenance's queues grow while its flushes stop: the build must not wait
+                # behind them for its last flushes.
+                build.merging = True
+                started = trio.current_time()
+                try:
+                    async with self.timekeeper.stopped_flushes(aligned=True) as upto:
+                        merged_at = sum(upto)
+                        await complete_build(upto, started)
+                        apply()
+                finally:
+                    build.merging = False
+                stopped = trio.current_time() - started
         except _GiveUp as exc:
             build.rearm()
             log.warning("%s; maintenance resumed, merging later", exc)
             return False
         finally:
             merge.abandon()  # nothing once applied
-        stopped = trio.current_time() - started
         # The readable snapshot predates the build's last writes: scans must see them.
         if not await self.timekeeper.republish():
             log.info("index %s: readable with the next snapshot", name)
@@ -250,12 +273,12 @@ class IndexCatalog:
         self.merged += 1
         log.info(
             "index %s built: %d mutations from its build stream; active from seqno sum %d; "
-            "maintenance stopped %.3f s (queues %.3f, build %.3f, switch %.3f)",
+            "flushes stopped %.3f s (flush %.3f, build %.3f, switch %.3f), no router reconnected",
             name,
             build.items,
-            sum(merged_at),
+            merged_at,
             stopped,
-            phases["queued"],
+            phases["flush"],
             phases["build"],
             phases["switch"],
         )
@@ -273,6 +296,7 @@ class IndexCatalog:
         def apply() -> None:
             dropped.append(self.store.drop_index(name))
             del self.indexes[position]
+            self.columns[:] = [d for d in self.columns if d.name != name]
             self.cache.remove_index(position)
             del self.timekeeper.entry_counts[position]
 
@@ -281,12 +305,25 @@ class IndexCatalog:
         log.info("index %s dropped: %d entries deleted", name, deleted)
 
     async def _drop_building(self, name: str) -> None:
-        async with self._lock:
-            build = self.builds[name]
+        build = self.builds[name]
+        dropped: list[StoredIndex] = []
+
+        async def stop_build() -> None:
+            if self.builds.get(name) is not build:
+                raise CatalogError(409, f"index {name!r} finished its build meanwhile: drop again")
+            running = name in self._build_scopes
             self._stop_build(name, f"index {name} was dropped")
-            dropped = self.store.drop_index(name)
+            if running:
+                await build.stopped.wait()  # a build flush in progress lands first
+
+        def apply() -> None:
+            dropped.append(self.store.drop_index(name))
+            self.columns[:] = [d for d in self.columns if d.name != name]
+
+        # Maintenance records carry its key: routers stop at the next handshake.
+        await self.change_pipeline(apply, stop_build)
         await trio.to_thread.run_sync(build.forget)
-        deleted = await trio.to_thread.run_sync(self.store.delete_entries, dropped)
+        deleted = await trio.to_thread.run_sync(self.store.delete_entries, dropped[0])
         log.info("index %s dropped during its build: %d entries deleted", name, deleted)
 
     async def restart_builds(self) -> None:
@@ -329,14 +366,11 @@ class IndexCatalog:
                         apply()
                     except StoreError as exc:
                         raise CatalogError(409, str(exc)) from None
-                    for worker in self.workers:
-                        worker.writer = IndexWriter(
-                            self.store, self.indexes, self.cache, worker.writer.undo
-                        )
+                    self.switch_writers()
 
                 await self.timekeeper.drain_all(switch)
             finally:
-                self.reader.reopen([i.definition for i in self.indexes])
+                self.reader.reopen(self.columns)
 
 
 class _GiveUp(Exception):

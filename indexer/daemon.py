@@ -180,6 +180,9 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
                     index.definition.name,
                     sum(build.progress),
                 )
+        # Maintenance records carry the keys of the indexes being built too; writers skip them.
+        catalog.switch_writers()
+        reader.reopen(catalog.columns)
         reader.rollback = Rollback(
             store,
             indexes,

@@ -307,9 +307,11 @@ class Reader:
         """The indexes whose build streams routers should open."""
         return tuple(name for name, build in self.builds.items() if build.state != "merged")
 
-    def reopen(self, indexes: Sequence[p.IndexDefinition]) -> None:
-        """Accept connections again, handshaking with these index definitions."""
-        self.indexes = tuple(indexes)
+    def reopen(self, indexes: Sequence[p.IndexDefinition] | None = None) -> None:
+        """Accept connections again, handshaking with these index definitions (by default the
+        same): those whose keys maintenance records carry, active or being built."""
+        if indexes is not None:
+            self.indexes = tuple(indexes)
         self._kick = None
         self._open.set()
 
@@ -576,7 +578,7 @@ class Reader:
         owned = tuple(vb for vb, flag in enumerate(self.registry.owned) if flag)
         persisted = self.snapshots.persisted
         # A running daemon writes everything it received: a router that reconnects (an index
-        # created or merged, a dropped connection) resumes from there, not from the persisted
+        # created or dropped, a dropped connection) resumes from there, not from the persisted
         # snapshot seconds behind, nor from the readable one, which would make it read the
         # difference back from its log (memory has moved past it). After a restart received
         # is the persisted snapshot; what a crash loses past it, the next restart asks again.

@@ -137,7 +137,7 @@ class Rollback:
                     if self.restart_builds is not None:
                         await self.restart_builds()
             finally:
-                self.reader.reopen([i.definition for i in self.indexes])
+                self.reader.reopen()
 
     async def _roll_back(self, needs: dict[int, int]) -> None:
         started = time.monotonic()

@@ -344,11 +344,18 @@ class Timekeeper:
             )
 
     @asynccontextmanager
-    async def stopped_flushes(self) -> AsyncIterator[None]:
-        """Hold off every flush, cut and persist, after writing everything queued."""
+    async def stopped_flushes(self, aligned: bool = False) -> AsyncIterator[tuple[int, ...]]:
+        """Hold off every flush, cut and persist, after writing everything queued, or with
+        `aligned` what the last complete snapshots hold (nothing past what is written already);
+        gives the timestamp written up to. What is not written stays queued."""
         async with self._flush_lock:
-            await self._flush_workers(self.hwt.high_water().seqnos)
-            yield
+            if aligned:
+                stable = self.hwt.stability_timestamp().seqnos
+                upto = tuple(max(s, h) for s, h in zip(stable, self._store_high, strict=True))
+            else:
+                upto = self.hwt.high_water().seqnos
+            await self._flush_workers(upto)
+            yield upto
 
     def reset(self, start: StabilityTimestamp, entry_counts: Sequence[int]) -> None:
         """After a rollback (inside `stopped_flushes`): the store holds exactly `start`."""

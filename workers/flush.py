@@ -239,7 +239,11 @@ class IndexWriter:
         indexes: Sequence[StoredIndex],
         cache: BackIndexCache,
         undo: UndoLog | None = None,
+        record_indexes: Sequence[str] | None = None,
     ):
+        """`record_indexes` names the indexes whose keys records carry, in order (by default
+        `indexes`): records also carry the keys of indexes still being built, which this
+        writer skips (indexer/build.py)."""
         self.store = store
         self.indexes = tuple(indexes)
         # Without an undo log (tests, tools) nothing can be rolled back past the store's state.
@@ -248,7 +252,12 @@ class IndexWriter:
         self.main_prefixes = [i.main_prefix for i in indexes]
         self.back_prefixes = [i.back_prefix for i in indexes]
         self.cache = cache
-        self.layout = queued_layout(len(indexes))
+        names = [i.definition.name for i in indexes]
+        carried = names if record_indexes is None else list(record_indexes)
+        self.layout = queued_layout(len(carried))
+        # Where each written index's key sits in a record; None when they are the same list.
+        positions = tuple(carried.index(name) for name in names)
+        self.positions = None if positions == tuple(range(len(carried))) else positions
 
     def _old_keys(self, docids: list[bytes]) -> dict[bytes, Keys]:
         """Back-index entries of documents the cache does not hold, read in key order."""
@@ -287,6 +296,7 @@ class IndexWriter:
         main_prefixes = self.main_prefixes
         back_prefixes = self.back_prefixes
         indexes = range(self.nindexes)
+        positions = self.positions
         undo = self.undo
         record_undo = undo.enabled
         touched = undo.changed_since_point()
@@ -303,7 +313,7 @@ class IndexWriter:
                 for klen in fields[3:]:
                     keys.append(records[pos : pos + klen].tobytes())
                     pos += klen
-                new = tuple(keys)
+                new = tuple(keys) if positions is None else tuple(keys[k] for k in positions)
             old = entries.get(docid) or looked_up.get(docid) or empty
             if old == new:
                 continue

@@ -126,8 +126,8 @@ class MaintenanceFirst:
             try:
                 pending(consumer, self.vbuckets[0])
             except MutationError:
-                # The maintenance stream is reconnecting, or stopped while its node merges a
-                # build, which waits for this stream: giving way would only delay maintenance.
+                # The maintenance stream is reconnecting (its node created or dropped an
+                # index): nothing of it can be sent meanwhile, so the build need not give way.
                 return False
         return self.input_waiting() or any(pending(consumer, vb) for vb in self.vbuckets)
 

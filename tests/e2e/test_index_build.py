@@ -4,6 +4,7 @@ caught up. Real daemon and router processes."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import time
@@ -111,6 +112,9 @@ def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
     assert stats["slab"]["chunks_in_use"] == 0  # the build's queued records were all freed
     assert "index by_zip built" in daemon.log()
     router.wait_log(r"build:by_zip: the build stream is done")
+    # The create made the router handshake again, to carry by_zip's key; the merge did not.
+    assert len(re.findall(r"disconnected: .*INDEXES_CHANGED", router.log())) == 1, router.log()
+    assert "no router reconnected" in daemon.log()
     assert router.stop() == 0
     assert daemon.stop() == 0
     # After a restart the built index is an ordinary active one.

@@ -326,7 +326,7 @@ def test_a_build_never_gives_way_while_its_nodes_maintenance_stream_is_not_conne
 
     async def main() -> None:
         assert defer()  # connected, input waiting: the build gives way
-        mm.unregister_consumer("node")  # INDEXES_CHANGED: the stream is gone until the merge
+        mm.unregister_consumer("node")  # INDEXES_CHANGED: the stream is gone until it reconnects
         for _ in range(50):
             assert not defer()
             await trio.sleep(0.01)

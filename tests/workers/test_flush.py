@@ -111,3 +111,21 @@ def test_counts_survive_a_restart_with_a_cache_too_small(tmp_path: Path) -> None
         writer(s).apply([record(1, f"d{i}", f"c{i % 7}", i if i % 3 else None) for i in range(30)])
         by_city, by_age = s.ensure_indexes(DEFS)
         assert (s.count_main(by_city), s.count_main(by_age)) == (30, 20)
+
+
+def test_keys_of_an_index_being_built_ride_along_and_are_not_written(store: IndexStore) -> None:
+    by_city, by_age = store.ensure_indexes(DEFS)
+    cache = BackIndexCache(1000, 1)
+    cache.load(store, [by_age])
+    # Records carry by_city's key first, as for an index created before by_age was merged.
+    w = IndexWriter(store, [by_age], cache, record_indexes=["by_city", "by_age"])
+    r = w.apply([record(1, "a", "Oslo", 30), record(2, "b", "Rome", None)])
+    assert (r.puts, r.entry_deltas) == (2, (1,))
+    assert entries(store, by_age) == [([30], "a")]
+    assert entries(store, by_city) == [] and back(store, by_city) == {}
+    # A change of the skipped key alone writes nothing; one of the written key does.
+    assert w.apply([record(3, "a", "Bergen", 30)]).puts == 0
+    r = w.apply([record(4, "a", "Bergen", 31), record(5, "b", deleted=True)])
+    assert entries(store, by_age) == [([31], "a")]
+    assert back(store, by_age) == {"a": encode_key([31])}
+    assert entries(store, by_city) == []
