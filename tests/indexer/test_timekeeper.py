@@ -119,6 +119,58 @@ async def test_cut_flushes_aligned_snapshots_and_persist_records_them(tmp_path: 
         snapshots.close()
 
 
+async def test_stopped_flushes_writes_all_queued_or_only_complete_snapshots(
+    tmp_path: Path,
+) -> None:
+    """An index build's merge stops flushes at complete snapshots (`aligned`); what follows
+    stays queued. A rollback stops them after writing everything queued."""
+    with IndexStore(tmp_path) as store:
+        indexes = store.ensure_indexes(DEFS)
+        start = StabilityTimestamp.zero(N)
+        hwt = HighWaterTimestamp(start)
+        pool = SlabPool(1 << 20, 1 << 16)
+        cache = BackIndexCache(100, 1)
+        worker = Worker(0, pool, MutationRing(64), hwt, IndexWriter(store, indexes, cache))
+        keeper = Timekeeper(
+            hwt, [worker], store, SnapshotStore(start), tmp_path, 60, 60, [0], indexes
+        )
+        async with trio.open_nursery() as nursery:
+            send, receive = trio.open_memory_channel[list[StreamItem]](4)
+            nursery.start_soon(worker.run, receive)
+            # vbucket 2: a complete snapshot 1-3 and half of 4-6; vbucket 5: half of 1-4.
+            await send.send(
+                [
+                    p.StreamBegin(2, 7), p.SnapshotMarker(2, 1, 3), batch(2, [1, 2, 3]),
+                    p.SnapshotMarker(2, 4, 6), batch(2, [4, 5]),
+                    p.StreamBegin(5, 8), p.SnapshotMarker(5, 1, 4), batch(5, [1, 2]),
+                ]
+            )  # fmt: skip
+            await trio.testing.wait_all_tasks_blocked()
+            async with keeper.stopped_flushes(aligned=True) as upto:
+                assert (upto[2], upto[5]) == (3, 0)
+                assert worker.statistics().queued == 4  # 4, 5 of vbucket 2; 1, 2 of vbucket 5
+                assert len(list(store.main_entries(indexes[0]))) == 3
+                # Held off: a cut meanwhile waits.
+                cut = trio.Event()
+
+                async def cut_now() -> None:
+                    await keeper.cut()
+                    cut.set()
+
+                nursery.start_soon(cut_now)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not cut.is_set()
+            await cut.wait()
+            async with keeper.stopped_flushes() as upto:
+                assert (upto[2], upto[5]) == (5, 2)
+                assert worker.statistics().queued == 0
+            # Written past its complete snapshots, vbucket 2 counts from there when aligned.
+            async with keeper.stopped_flushes(aligned=True) as upto:
+                assert (upto[2], upto[5]) == (5, 2)
+            await send.aclose()
+        assert len(list(store.main_entries(indexes[0]))) == 7
+
+
 class FakeStoreSnapshot:
     """Stands in for a plyvel snapshot handle only to observe close()."""
 
