@@ -374,6 +374,8 @@ class Feed(threading.Thread):
 class Sample:
     phase: str
     lag: int  # seqnos appended by the router, not yet readable on the daemon
+    in_flight: int  # of those, not yet received by the daemon (the router's send, TCP)
+    unpublished: int  # received by the daemon, not yet readable (its queues, flushes, cuts)
     router_behind: int  # documents written to the file, not yet appended by the router
     end_to_end: int  # documents written to the file, not yet readable on the daemon
     at: float  # seconds since the sampler started
@@ -431,6 +433,7 @@ class LagSampler(threading.Thread):
                     # between the two requests (a few ms), never under-stated.
                     daemon = client.get(f"{self.daemon_url}/stats").json()
                     stable = daemon["stable"]["seqno_sum"]
+                    received = daemon["vbuckets"]["received_seqno_sum"]
                     builds = [b["received_seqno_sum"] for b in daemon["builds"].values()]
                     appended = client.get(f"{self.router_url}/stats").json()["source"][
                         "high_seqno_sum"
@@ -443,6 +446,8 @@ class LagSampler(threading.Thread):
                         Sample(
                             phase,
                             max(appended - stable, 0),
+                            max(appended - received, 0),
+                            max(received - stable, 0),
                             max(written - appended, 0),
                             max(written - stable, 0),
                             round(time.monotonic() - began, 2),
@@ -466,7 +471,7 @@ class LagSampler(threading.Thread):
         out["probes"] = len(visible)
         for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
             out[f"visible_{name}_ms"] = round(percentile(visible, q), 1)
-        for what in ("lag", "end_to_end", "router_behind"):
+        for what in ("lag", "in_flight", "unpublished", "end_to_end", "router_behind"):
             values = [getattr(s, what) for s in samples]
             for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
                 value = percentile(values, q)
@@ -630,7 +635,9 @@ def report_lag(phase: str, s: dict[str, Any], feed_rate: float) -> None:
 
     say(
         f"  lag {phase} ({s['samples']} samples), p50 / p99 / max: maintenance (router appended "
-        f"- daemon readable) {three('lag')}; the router behind the file "
+        f"- daemon readable) {three('lag')}, of which not yet received by the daemon "
+        f"{three('in_flight')} and received, not yet readable {three('unpublished')}; the "
+        f"router behind the file "
         f"{three('router_behind', False)}; end to end (file - readable) {three('end_to_end')}"
     )
     if s.get("probes"):
