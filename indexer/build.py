@@ -150,7 +150,6 @@ class IndexBuild:
         # True while the maintenance stream has a backlog: the build waits (it never comes
         # first); its channel fills and TCP pushes back on the router's build stream.
         self.defer = defer
-        self.merging = False  # set by the merge: maintenance waits for the build, not after it
         self.index = index
         self.maintenance = maintenance
         n = len(maintenance.received)
@@ -283,7 +282,7 @@ class IndexBuild:
     async def _flush(self, items: list[QueuedBatch | p.SnapshotMarker]) -> None:
         """Write the items (after maintenance's backlog is gone) and free their chunks."""
         try:
-            while self.defer is not None and not self.merging and self.defer():
+            while self.defer is not None and self.defer():
                 await trio.sleep(CHECK_S / 10)
             chunks: list[int] = []
             progress = list(self.progress)

@@ -90,6 +90,9 @@ class IndexCatalog:
         # The indexes whose keys maintenance records carry, in record order: the active ones
         # and those being built. A merge leaves it as it is; creates and drops change it.
         self.columns: list[IndexDefinition] = [i.definition for i in indexes]
+        # While a merge holds flushes, maintenance's queues grow and wait for the build: the
+        # build must not wait behind them for its last flushes.
+        self._merging = False
 
     def add_build(self, index: StoredIndex) -> IndexBuild:
         """Start the initial build of a stored "building" index (at start-up or on create)."""
@@ -119,8 +122,13 @@ class IndexCatalog:
             )
 
     def _maintenance_backlog(self) -> bool:
-        """Whether the maintenance queues hold more than MAINTENANCE_BACKLOG records."""
-        return sum(w.ring.queued for w in self.workers) > MAINTENANCE_BACKLOG
+        """Whether builds should wait: the maintenance queues hold more than MAINTENANCE_BACKLOG
+        records, and no merge is holding their flushes."""
+        return not self._merging and sum(w.ring.queued for w in self.workers) > MAINTENANCE_BACKLOG
+
+    def _remove_column(self, name: str) -> None:
+        """Records stop carrying the index's key (from the routers' next handshake)."""
+        self.columns[:] = [d for d in self.columns if d.name != name]
 
     async def run(self) -> None:
         """Run the builds and merge each once it has caught up; until cancelled."""
@@ -247,9 +255,7 @@ class IndexCatalog:
             async with self._lock:
                 if self.builds.get(name) is not build:  # dropped meanwhile
                     return False
-                # Maintenance's queues grow while its flushes stop: the build must not wait
-                # behind them for its last flushes.
-                build.merging = True
+                self._merging = True
                 started = trio.current_time()
                 try:
                     async with self.timekeeper.stopped_flushes(aligned=True) as upto:
@@ -257,7 +263,7 @@ class IndexCatalog:
                         await complete_build(upto, started)
                         apply()
                 finally:
-                    build.merging = False
+                    self._merging = False
                 stopped = trio.current_time() - started
         except _GiveUp as exc:
             build.rearm()
@@ -296,7 +302,7 @@ class IndexCatalog:
         def apply() -> None:
             dropped.append(self.store.drop_index(name))
             del self.indexes[position]
-            self.columns[:] = [d for d in self.columns if d.name != name]
+            self._remove_column(name)
             self.cache.remove_index(position)
             del self.timekeeper.entry_counts[position]
 
@@ -318,7 +324,7 @@ class IndexCatalog:
 
         def apply() -> None:
             dropped.append(self.store.drop_index(name))
-            self.columns[:] = [d for d in self.columns if d.name != name]
+            self._remove_column(name)
 
         # Maintenance records carry its key: routers stop at the next handshake.
         await self.change_pipeline(apply, stop_build)
