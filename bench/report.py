@@ -341,6 +341,18 @@ def headline_rows(results: dict[str, Json]) -> list[Row]:
                     times(div(during, before)),
                 )
             )
+        halves = lag.get("baseline", {}).get("visible_p99_halves_ms")
+        if halves:
+            rows.append(
+                Row(
+                    "build",
+                    "a write readable after, p99, second half of the time before the build",
+                    f"{num(halves[1], 0)} ms",
+                    "its first half (how much the usual lag varies)",
+                    f"{num(halves[0], 0)} ms",
+                    times(div(halves[1], halves[0])),
+                )
+            )
         rows.append(
             Row(
                 "build",
