@@ -471,10 +471,10 @@ class LagSampler(threading.Thread):
         out["probes"] = len(visible)
         for name, q in (("p50", 50), ("p99", 99), ("max", 100)):
             out[f"visible_{name}_ms"] = round(percentile(visible, q), 1)
-        # The phase's first and second half apart: with no build in either, how much the usual
-        # lag varies by itself, the yardstick for a build's ratio.
+        # The baseline's first and second half apart: with no build in either, how much the
+        # usual lag varies by itself, the yardstick for a build's ratio.
         half = len(visible) // 2
-        if half:
+        if phase == "baseline" and half:
             out["visible_p99_halves_ms"] = [
                 round(percentile(visible[:half], 99), 1),
                 round(percentile(visible[half:], 99), 1),
@@ -655,7 +655,7 @@ def report_lag(phase: str, s: dict[str, Any], feed_rate: float) -> None:
             + " / ".join(f"{s[f'visible_{q}_ms']:,.0f}" for q in ("p50", "p99", "max"))
             + " ms"
         )
-    if phase == "baseline" and s.get("visible_p99_halves_ms"):
+    if s.get("visible_p99_halves_ms"):
         first, second = s["visible_p99_halves_ms"]
         say(
             f"    the baseline's first and second half apart, p99: {first:,.0f} / {second:,.0f} ms"
