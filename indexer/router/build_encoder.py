@@ -23,6 +23,7 @@ sans-IO, testable without a process):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -83,12 +84,16 @@ class MessageReader:
 
 
 def encode_setup(
-    indexes: Sequence[p.IndexDefinition], batch_bytes: int, batch_records: int
+    indexes: Sequence[p.IndexDefinition],
+    batch_bytes: int,
+    batch_records: int,
+    max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
 ) -> bytes:
     body = {
         "indexes": [{"name": i.name, "keys": list(i.keys), "where": i.where} for i in indexes],
         "batch_bytes": batch_bytes,
         "batch_records": batch_records,
+        "max_frame_bytes": max_frame_bytes,
     }
     return encode_message(SETUP, json.dumps(body).encode())
 
@@ -166,7 +171,9 @@ class ChunkEncoder:
         indexes = [
             p.IndexDefinition(i["name"], tuple(i["keys"]), i["where"]) for i in body["indexes"]
         ]
-        self.records = RecordEncoder(indexes)
+        self.records = RecordEncoder(
+            indexes, int(body.get("max_frame_bytes", p.DEFAULT_MAX_FRAME_BYTES))
+        )
         self.batch_bytes = int(body["batch_bytes"])
         self.batch_records = int(body["batch_records"])
 
@@ -246,7 +253,10 @@ class BuildEncoder:
 
 @asynccontextmanager
 async def build_encoder(
-    indexes: Sequence[p.IndexDefinition], batch_bytes: int, batch_records: int
+    indexes: Sequence[p.IndexDefinition],
+    batch_bytes: int,
+    batch_records: int,
+    max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
 ) -> AsyncIterator[BuildEncoder]:
     """A running encoder process for a build stream's indexes, killed on leaving."""
     process = await trio.lowlevel.open_process(
@@ -256,7 +266,7 @@ async def build_encoder(
     )
     try:
         encoder = BuildEncoder(process)
-        await encoder.send(encode_setup(indexes, batch_bytes, batch_records))
+        await encoder.send(encode_setup(indexes, batch_bytes, batch_records, max_frame_bytes))
         yield encoder
     finally:
         process.kill()
@@ -265,6 +275,10 @@ async def build_encoder(
 
 
 if __name__ == "__main__":
+    # Documents left out of an index are logged here, on the router's stderr, in its format.
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     stdin = sys.stdin.buffer
     assert isinstance(stdin, BufferedReader)
     raise SystemExit(main(stdin, sys.stdout.buffer))

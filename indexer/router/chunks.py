@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from indexer import protocol as p
 from indexer.router.documents import Document
-from indexer.router.feed import FeedError, RecordEncoder
+from indexer.router.feed import RecordEncoder
 from indexer.router.mutations import Backfill
 from indexer.router.source import SourceLog, decode_document
 
@@ -108,9 +108,7 @@ def snapshot_frames(
     batch: list[bytes] = []
     size = 0
     for seqno, document in versions:
-        record = records.record(seqno, document)
-        if len(record) > batch_bytes:
-            raise FeedError(f"document {document.docid!r}: its index keys exceed a frame")
+        record = records.record(seqno, document)  # never over a frame
         full = len(batch) >= batch_records or size + len(record) > batch_bytes
         if batch and full:
             frames.append(p.encode_mutations(vb, nkeys, batch))

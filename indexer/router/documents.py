@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from collections.abc import Iterator
@@ -12,9 +13,18 @@ from typing import Any
 
 import orjson
 
+from indexer.keys import KeyEncodingError, encode_value
+
 
 class DocumentError(ValueError):
     """A line of the input is not a document the feed understands."""
+
+
+MAX_DEPTH = 128
+"""Levels of arrays and objects an input document may nest: every value of such a document can
+be an index key, whatever the index definitions are now or later."""
+
+_EXACT_INT = 1 << 53  # every int up to this is exactly a double, and always a valid key
 
 
 _LONG_DIGITS = re.compile(r"\d{19}")
@@ -35,6 +45,79 @@ def json_loads(text: str | bytes) -> Any:
         except orjson.JSONDecodeError:
             pass
     return json.loads(text)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise DocumentError(f"{name} is not a value an index key can hold (write null or a string)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise DocumentError(
+            f"the number {text} is beyond a double, not a value an index key can hold"
+        )
+    return value
+
+
+def _key_int(text: str) -> int:
+    value = int(text)
+    if -_EXACT_INT <= value <= _EXACT_INT:
+        return value
+    try:
+        encode_value(value)
+    except KeyEncodingError:
+        raise DocumentError(
+            f"the integer {text[:40]}{'...' if len(text) > 40 else ''} is beyond a double, "
+            "not a value an index key can hold"
+        ) from None
+    return value
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels deep in `value` (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > limit:
+            return True
+        for child in children:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
+
+
+def loads_document(text: str | bytes) -> Any:
+    """Parse an input's JSON and refuse what no index key can hold (DocumentError): NaN,
+    Infinity, a number beyond a double (1e400, a 400-digit integer), nesting over MAX_DEPTH.
+
+    Anything in a document may become an index key later (a new index, a where), so the whole
+    document is checked, not only today's index paths. orjson refuses NaN and infinities and
+    reads at most 64-bit integers, so only the standard library's path needs the checks.
+    """
+    value = _loads_checked(text)
+    nesting = text.count("[") + text.count("{") if isinstance(text, str) else (
+        text.count(b"[") + text.count(b"{")
+    )
+    if nesting > MAX_DEPTH and isinstance(value, dict | list) and _depth_exceeds(value, MAX_DEPTH):
+        raise DocumentError(f"arrays and objects nest deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def _loads_checked(text: str | bytes) -> Any:
+    long_digits = _LONG_DIGITS if isinstance(text, str) else _LONG_DIGITS_BYTES
+    if long_digits.search(text) is None:  # type: ignore[arg-type]
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass
+    try:
+        return json.loads(
+            text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_key_int
+        )
+    except RecursionError:
+        raise DocumentError(f"arrays and objects nest deeper than {MAX_DEPTH} levels") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +144,9 @@ def parse_line(line: str, where: str, raw: bytes | None = None) -> Document:
     `raw`: the line's bytes, kept in the document for the source log.
     """
     try:
-        item = json_loads(line)
+        item = loads_document(line)
+    except DocumentError as exc:
+        raise DocumentError(f"{where}: {exc}") from None
     except ValueError as exc:
         raise DocumentError(f"{where}: not JSON: {exc}") from None
     if not isinstance(item, dict) or "id" not in item:
@@ -82,7 +167,11 @@ def parse_line(line: str, where: str, raw: bytes | None = None) -> Document:
 
 def read_jsonl(path: Path) -> Iterator[Document]:
     """Documents of a JSONL file in file order; blank lines are skipped."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DocumentError(f"{path}:{number}: not UTF-8") from None
             if line.strip():
                 yield parse_line(line, f"{path}:{number}")

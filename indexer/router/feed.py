@@ -15,6 +15,7 @@ when it has a context.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import ssl
 import zlib
 from collections import deque
@@ -33,7 +34,13 @@ from indexer.where import WhereError, matches, parse_where
 
 BATCH_RECORDS = 512
 SEND_BYTES = 256 * 1024
+# A frame's header and a MUTATIONS frame's own header, with room to spare: one record of at
+# most max_frame_bytes - FRAME_OVERHEAD always fits a frame.
+FRAME_OVERHEAD = 64
+MAX_REPORTED = 10_000  # documents an encoder remembers having logged
 _T = TypeVar("_T")
+
+log = logging.getLogger("indexer.router")
 
 
 class FeedError(Exception):
@@ -65,11 +72,23 @@ def default_vbuuid(vbucket: int) -> int:
 class RecordEncoder:
     """Documents in, mutation records out (pure): the index keys of a handshake reply's indexes,
     an empty key where a partial index's condition is not TRUE or the leading field is missing.
+
+    A record never exceeds `max_record_bytes` (what one frame of the node carries) and a
+    document never stops a stream: a key that cannot be encoded (a version stored before the
+    input checks, NaN say) or that does not fit a frame is left out of its index, as GSI skips
+    a key over its size limit, and the document is logged once (`left_out` counts them).
     """
 
-    def __init__(self, indexes: Sequence[p.IndexDefinition]) -> None:
+    def __init__(
+        self,
+        indexes: Sequence[p.IndexDefinition],
+        max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
         self.paths = [index.keys for index in indexes]
+        self.names = [index.name for index in indexes]
         self.nkeys = len(self.paths)
+        self.max_frame_bytes = max_frame_bytes
+        self.max_record_bytes = max_frame_bytes - FRAME_OVERHEAD
         try:
             self.wheres = [
                 None if index.where is None else parse_where(index.where) for index in indexes
@@ -77,8 +96,10 @@ class RecordEncoder:
         except WhereError as exc:
             raise FeedError(f"the indexer sent a bad where: {exc}") from None
         self.partial = any(where is not None for where in self.wheres)
+        self.left_out = 0
+        self._reported: set[str] = set()
 
-    def keys(self, document: Document) -> tuple[bytes, ...]:
+    def keys(self, document: Document, seqno: int = 0) -> tuple[bytes, ...]:
         """The document's key in every index (b"" = not in that index)."""
         body = document.body
         try:
@@ -92,14 +113,68 @@ class RecordEncoder:
                     for paths, where in zip(self.paths, self.wheres, strict=True)
                 )
             return tuple(index_key(body, paths) for paths in self.paths)
-        except (KeyEncodingError, RecursionError) as exc:
-            raise FeedError(f"document {document.docid!r}: {exc}") from None
+        except (KeyEncodingError, RecursionError):
+            return self._keys_one_by_one(document, seqno)
+
+    def _keys_one_by_one(self, document: Document, seqno: int) -> tuple[bytes, ...]:
+        """The slow path of `keys`: each index on its own, the failing ones left out."""
+        body = document.body
+        assert body is not None
+        keys = []
+        for name, paths, where in zip(self.names, self.paths, self.wheres, strict=True):
+            try:
+                key = index_key(body, paths) if where is None or matches(where, body) else b""
+            except (KeyEncodingError, RecursionError) as exc:
+                why = "a value is nested too deeply" if isinstance(exc, RecursionError) else exc
+                self._report(document.docid, seqno, name, str(why))
+                key = b""
+            keys.append(key)
+        return tuple(keys)
 
     def record(self, seqno: int, document: Document, docid: bytes | None = None) -> bytes:
         """The MUTATIONS record of `document` at `seqno` (`docid`: its id, already encoded)."""
         docid = document.docid.encode() if docid is None else docid
-        keys = self.keys(document)
-        return p.encode_record(p.Mutation(seqno, docid, keys, document.body is None))
+        keys = self.keys(document, seqno)
+        record = p.encode_record(p.Mutation(seqno, docid, keys, document.body is None))
+        if len(record) > self.max_record_bytes:
+            return self._fit(seqno, document, docid, keys, len(record))
+        return record
+
+    def _fit(
+        self, seqno: int, document: Document, docid: bytes, keys: tuple[bytes, ...], size: int
+    ) -> bytes:
+        """A record over a frame: its largest keys are left out until the rest fits."""
+        fitted = list(keys)
+        for i in sorted(range(self.nkeys), key=lambda i: len(keys[i]), reverse=True):
+            if size <= self.max_record_bytes:
+                break
+            size -= len(keys[i])
+            fitted[i] = b""
+            self._report(
+                document.docid,
+                seqno,
+                self.names[i],
+                f"its key takes {len(keys[i]):,} bytes, more than a frame of this node carries "
+                f"(server.max_frame_bytes = {self.max_frame_bytes:,})",
+            )
+        return p.encode_record(p.Mutation(seqno, docid, tuple(fitted), document.body is None))
+
+    def _report(self, docid: str, seqno: int, index: str, why: str) -> None:
+        """One log line per document left out of an index (per encoder, bounded memory)."""
+        self.left_out += 1
+        if docid in self._reported:
+            return
+        if len(self._reported) >= MAX_REPORTED:
+            self._reported.clear()
+        self._reported.add(docid)
+        log.warning(
+            "document %r (seqno %d) left out of index %s: %s; a later version of it with a value "
+            "an index key can hold replaces it",
+            docid,
+            seqno,
+            index,
+            why,
+        )
 
 
 class Batcher:
@@ -125,11 +200,14 @@ class Batcher:
         self.last: dict[int, int] = {}  # per vbucket begun, the last seqno batched
         self.begun: set[int] = set()
 
-    def add(self, vb: int, seqno: int, record: bytes, docid: str) -> list[bytes]:
+    def add(self, vb: int, seqno: int, record: bytes) -> list[bytes]:
         """Frames that are ready after this record (often none); seqnos must increase."""
-        if len(record) > self.batch_bytes:
-            raise FeedError(f"document {docid!r}: its index keys exceed a frame")
         pending = self.pending.get(vb)
+        frames: list[bytes] = []
+        if pending is not None and self.pending_bytes[vb] + len(record) > self.batch_bytes:
+            # The batch plus this record could outgrow a frame: it goes out first.
+            frames = self.flush(vb)
+            pending = None
         if pending is None:
             pending = self.pending[vb] = []
             self.pending_bytes[vb] = 0
@@ -138,8 +216,8 @@ class Batcher:
         self.pending_bytes[vb] += len(record)
         self.last[vb] = seqno
         if len(pending) >= self.batch_records or self.pending_bytes[vb] >= self.batch_bytes:
-            return self.flush(vb)
-        return []
+            return frames + self.flush(vb)
+        return frames
 
     def flush(self, vb: int) -> list[bytes]:
         """The frames of the vbucket's pending batch (none if nothing is pending)."""
@@ -173,8 +251,9 @@ class Batcher:
 
 
 def batch_bytes(reply: p.HandshakeReply) -> int:
-    """Bytes of records per batch: a whole frame stays under the indexer's maximum."""
-    return min(reply.max_frame_bytes - 64, SEND_BYTES)
+    """Bytes of records per batch: a whole frame stays under the indexer's maximum (a record
+    bigger than this goes out alone in its frame)."""
+    return min(reply.max_frame_bytes - FRAME_OVERHEAD, SEND_BYTES)
 
 
 class StreamEncoder:
@@ -184,7 +263,7 @@ class StreamEncoder:
 
     def __init__(self, reply: p.HandshakeReply, batch_records: int = BATCH_RECORDS) -> None:
         self.num_vbuckets = reply.num_vbuckets
-        self.records = RecordEncoder(reply.indexes)
+        self.records = RecordEncoder(reply.indexes, reply.max_frame_bytes)
         self.batches = Batcher(
             self.records.nkeys, batch_bytes(reply), default_vbuuid, batch_records
         )
@@ -209,7 +288,7 @@ class StreamEncoder:
             self.skipped += 1
             return []
         record = self.records.record(seqno, document, docid)
-        frames = self.batches.add(vb, seqno, record, document.docid)
+        frames = self.batches.add(vb, seqno, record)
         self.sent += 1
         return frames
 
@@ -244,7 +323,7 @@ class LogEncoder:
         self, reply: p.HandshakeReply, log: SourceLog, batch_records: int = BATCH_RECORDS
     ) -> None:
         self.log = log
-        self.records = RecordEncoder(reply.indexes)
+        self.records = RecordEncoder(reply.indexes, reply.max_frame_bytes)
         self.batches = Batcher(self.records.nkeys, batch_bytes(reply), log.vbuuid, batch_records)
         restart = {position.vbucket: position.seqno for position in reply.restart}
         self.restart = restart
@@ -279,7 +358,7 @@ class LogEncoder:
                 with closing(self.log.read(vb, self.positions[vb])) as versions:
                     for seqno, document in versions:
                         record = self.records.record(seqno, document)
-                        frames = self.batches.add(vb, seqno, record, document.docid)
+                        frames = self.batches.add(vb, seqno, record)
                         self.positions[vb] = seqno
                         count += 1
                         if frames:

@@ -199,7 +199,7 @@ class NodeCursors:
         self.recent = recent
         self.mm = mm
         self.consumer = consumer
-        self.records = RecordEncoder(reply.indexes)
+        self.records = RecordEncoder(reply.indexes, reply.max_frame_bytes)
         self.batch_bytes = batch_bytes(reply)
         self.batch_records = batch_records
         self.begun: set[int] = set()
@@ -479,7 +479,12 @@ async def follow_memory(
                 encoder = None
                 if build:  # a build's versions are parsed and encoded by a process of its own
                     encoder = await stack.enter_async_context(
-                        build_encoder(reply.indexes, cursors.batch_bytes, cursors.batch_records)
+                        build_encoder(
+                            reply.indexes,
+                            cursors.batch_bytes,
+                            cursors.batch_records,
+                            reply.max_frame_bytes,
+                        )
                     )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(peer.read_acks)

@@ -28,7 +28,13 @@ import trio
 
 from indexer import protocol as p
 from indexer.collector import CollectorPauses, rare_collections
-from indexer.router.documents import Document, DocumentError, parse_line, vbucket_of
+from indexer.router.documents import (
+    Document,
+    DocumentError,
+    loads_document,
+    parse_line,
+    vbucket_of,
+)
 from indexer.router.expiry import with_absolute_expiry
 from indexer.router.feed import RECONNECT_CODES, FeedError, FeedSecurity
 from indexer.router.mutations import MutationManager
@@ -526,7 +532,9 @@ class DocsApi:
             if error is not None:
                 return error
             try:
-                value = json.loads(body)
+                value = loads_document(body)
+            except DocumentError as exc:
+                return 400, {"error": f"the document cannot be indexed: {exc}"}
             except ValueError as exc:
                 return 400, {"error": f"the body is not JSON: {exc}"}
             if not isinstance(value, dict):

@@ -28,7 +28,7 @@ from indexer.router.chunks import (
     snapshot_frames,
 )
 from indexer.router.documents import Document
-from indexer.router.feed import FeedError, RecordEncoder
+from indexer.router.feed import RecordEncoder
 from indexer.router.source import SourceLog
 
 INDEX = p.IndexDefinition("by_age", ("age",))
@@ -120,13 +120,27 @@ def test_the_encoder_process_gives_the_routers_own_frames_latest_versions_only(
     source.close()
 
 
-def test_a_document_the_encoder_cannot_encode_fails_the_exchange_with_the_reason() -> None:
+def test_a_document_whose_key_outgrows_a_frame_is_left_out_of_the_index_and_logged(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     huge = '{"id":"big","doc":{"age":"' + "x" * 10_000 + '"}}'
-    chunk = RawChunk(0, 1, 1, [(1, huge.encode())], True, 1)
+    small = '{"id":"small","doc":{"age":3}}'
+    chunk = RawChunk(0, 1, 2, [(1, huge.encode()), (2, small.encode())], True, 2)
 
-    async def main() -> None:
-        async with build_encoder([INDEX], 1024, 16) as encoder:
-            with pytest.raises(FeedError, match="'big': its index keys exceed a frame"):
-                await encoder.encode([chunk])
+    async def main() -> list[p.Mutation]:
+        async with build_encoder([INDEX], 1024, 16, max_frame_bytes=2048) as encoder:
+            (encoded,) = await encoder.encode([chunk])
+        decoder = p.FrameDecoder(2048)  # every frame fits the node's limit
+        for frames, _ in encoded.pieces:
+            for frame in frames:
+                decoder.feed(frame)
+        batches = [m for m in decoder.messages() if type(m) is p.MutationBatch]
+        return [mutation for batch in batches for mutation in batch.mutations()]
 
-    trio.run(main)
+    mutations = trio.run(main)
+    assert [(m.seqno, m.docid) for m in mutations] == [(1, b"big"), (2, b"small")]
+    assert mutations[0].keys == (b"",) and not mutations[0].deleted  # out of the index
+    assert mutations[1].keys != (b"",)
+    err = capfd.readouterr().err
+    assert "'big' (seqno 1) left out of index by_age" in err
+    assert "server.max_frame_bytes = 2,048" in err
