@@ -148,6 +148,12 @@ def main() -> None:
     help="A cluster map (TOML): take this node's vbuckets and addresses from it (with --node).",
 )
 @click.option("--node", help="This node's name in --cluster-map.")
+@click.option(
+    "--adopt-source",
+    is_flag=True,
+    help="Let the first router of another source take this node over, dropping every index "
+    "entry of the old source (otherwise such a router is refused).",
+)
 def serve(
     config_file: Path | None,
     data_dir: Path | None,
@@ -155,6 +161,7 @@ def serve(
     http_port: int | None,
     cluster_map: Path | None,
     node: str | None,
+    adopt_source: bool,
 ) -> None:
     """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0)."""
     from indexer.daemon import serve as run_daemon
@@ -193,7 +200,7 @@ def serve(
         "configuration: %s", config_file if config_file else "embedded default"
     )
     try:
-        trio.run(run_daemon, config)
+        trio.run(functools.partial(run_daemon, config, adopt_source=adopt_source))
     except StoreError as exc:
         fail(str(exc))
     except OSError as exc:

@@ -25,6 +25,7 @@ from indexer.compaction import Compactor
 from indexer.config import Config
 from indexer.dispatch import dispatch
 from indexer.http import DaemonView, HttpApi
+from indexer.protocol import describe_source
 from indexer.reader import Reader, StreamRegistry
 from indexer.recovery import RecoveryPoints
 from indexer.rollback import Rollback, recover_store
@@ -75,8 +76,31 @@ def recover(config: Config) -> PersistedState:
     return found
 
 
-async def serve(config: Config, ready: Callable[[Listening], None] | None = None) -> None:
-    """Run the daemon until SIGINT or SIGTERM, then drain and persist."""
+def _log_source(source: str | None, adopt: bool, entries: int) -> None:
+    """Say which source the node indexes, and what --adopt-source will drop."""
+    if source is None:
+        log.info("no source yet: the first router or feed to connect becomes this node's source")
+    elif adopt:
+        log.warning(
+            "--adopt-source: the first router or feed of another source than %s takes this node "
+            "over, and the %d index entries it holds are dropped then",
+            describe_source(source),
+            entries,
+        )
+    else:
+        log.info("indexing the history of %s", describe_source(source))
+
+
+async def serve(
+    config: Config,
+    ready: Callable[[Listening], None] | None = None,
+    adopt_source: bool = False,
+) -> None:
+    """Run the daemon until SIGINT or SIGTERM, then drain and persist.
+
+    With `adopt_source`, the first router of another source than the store's takes the node
+    over: everything the store holds is dropped then (otherwise such a router is refused).
+    """
     server = config.server
     server.data_dir.mkdir(parents=True, exist_ok=True)
     nice = config.compaction.thread_nice
@@ -140,7 +164,14 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
         freeze_long_lived()
         # Paused reads resume when neither RSS nor the queues move (slab/throttle.py, SETTLE_S).
         throttle.queued = lambda: sum(w.ring.queued for w in workers)
-        registry = StreamRegistry(server.owned_vbuckets, restart.seqnos, state.failover_logs)
+        registry = StreamRegistry(
+            server.owned_vbuckets,
+            restart.seqnos,
+            state.failover_logs,
+            source=store.source,
+            adopt_source=adopt_source,
+        )
+        _log_source(store.source, adopt_source, sum(counts))
         timekeeper = Timekeeper(
             hwt,
             workers,
@@ -197,6 +228,7 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
             pipeline_lock,
         )
         reader.rollback.restart_builds = catalog.restart_builds
+        reader.record_source = store.record_source
         view = DaemonView(
             store,
             indexes,

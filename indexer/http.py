@@ -622,6 +622,7 @@ class HttpApi:
         hwt = v.hwt
         owned = [vb for vb, flag in enumerate(v.registry.owned) if flag]
         return {
+            "source": v.registry.source,  # the identity of the history indexed (None: none yet)
             "vbuckets": {
                 "count": hwt.num_vbuckets,
                 "owned": len(owned),

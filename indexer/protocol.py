@@ -87,6 +87,7 @@ class ErrorCode(IntEnum):
     SLICE_CHANGED = 15  # this node's vbuckets changed (cluster map): handshake again
     UNAUTHORIZED = 16  # the handshake's token is missing or wrong (security.token)
     TOO_MANY_CONNECTIONS = 17  # the node has limits.max_feed_connections open already
+    SOURCE_MISMATCH = 18  # the node indexes another source's history (Handshake.source)
 
 
 class ProtocolError(Exception):
@@ -127,6 +128,9 @@ class Handshake:
     trusted never to reuse a seqno. With `flow_control` the router keeps at most the reply's
     `flow_control_bytes` unacknowledged and the indexer sends BUFFER_ACK as it takes frames.
     `token` is the shared secret of an indexer that requires one ("" = none); kept out of reprs.
+    `source` is the identity of the router's history (its source log's UUID, as a Couchbase
+    bucket UUID): a node indexes one source only. "" is the stateless feed's (`indexer feed`
+    without a source log), which numbers documents after what the node holds.
     """
 
     router: str
@@ -137,6 +141,24 @@ class Handshake:
     # A build stream: the name of the index being built (its initial build); "" = maintenance.
     build: str = ""
     token: str = field(default="", repr=False)
+    source: str = ""
+
+
+STATELESS_SOURCE = "stateless"
+"""The identity a node records for a handshake without `source`: the stateless feed's."""
+MAX_SOURCE_CHARS = 64
+
+
+def source_identity(handshake: Handshake) -> str:
+    """The identity of the history a handshake's router streams (see Handshake.source)."""
+    return handshake.source or STATELESS_SOURCE
+
+
+def describe_source(identity: str) -> str:
+    """A source identity as an operator reads it in one line."""
+    if identity == STATELESS_SOURCE:
+        return "the stateless feed's (indexer feed without --state)"
+    return f"source log {identity}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,8 +356,12 @@ def encode(message: Message) -> bytes:
             return _frame(MessageType.BUFFER_ACK, _COOKIE.pack(nbytes))
         case Error(code, text):
             return _frame(MessageType.ERROR, _ERROR.pack(code) + text.encode())
-        case Handshake(router, num_vbuckets, vbuckets, failover_logs, flow_control, build, token):
+        case Handshake(
+            router, num_vbuckets, vbuckets, failover_logs, flow_control, build, token, source
+        ):
             body = {"router": router, "num_vbuckets": num_vbuckets, "vbuckets": list(vbuckets)}
+            if source:
+                body["source"] = source
             if flow_control:
                 body["flow_control"] = True
             if build:
@@ -475,7 +501,13 @@ def _decode_handshake(payload: bytes) -> Handshake:
             ErrorCode.BAD_HANDSHAKE,
             f"token must be a string of at most {MAX_TOKEN_CHARS} characters",
         )
-    return Handshake(router, num, vbuckets, logs, flow_control, build, token)
+    source = body.get("source", "")
+    if not isinstance(source, str) or len(source) > MAX_SOURCE_CHARS:
+        raise ProtocolError(
+            ErrorCode.BAD_HANDSHAKE,
+            f"source must be a string of at most {MAX_SOURCE_CHARS} characters",
+        )
+    return Handshake(router, num, vbuckets, logs, flow_control, build, token, source)
 
 
 def token_matches(given: str, expected: str) -> bool:

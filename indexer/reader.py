@@ -59,8 +59,14 @@ class StreamRegistry:
         owned: Sequence[int],
         persisted_seqnos: Sequence[int],
         failover_logs: dict[int, FailoverLog] | None = None,
+        source: str | None = None,
+        adopt_source: bool = False,
     ) -> None:
         n = len(persisted_seqnos)
+        # The identity of the source whose history the node indexes (None: none yet), and
+        # whether the first handshake of another source takes the node over (--adopt-source).
+        self.source = source
+        self.adopt_source = adopt_source
         # Per vbucket, the history (failover log) the received mutations belong to.
         self.failover_logs: dict[int, FailoverLog] = dict(failover_logs or {})
         self.owned = bytearray(n)
@@ -103,6 +109,10 @@ class Connection:
         self.token = token  # the shared secret a handshake must carry (None: none needed)
         self.handshake: p.Handshake | None = None
         self.vbuckets: set[int] = set()
+        # Set by the handshake: a source the node records before replying, and the source it
+        # replaces when this router takes the node over (--adopt-source).
+        self.new_source: str | None = None
+        self.replaces: str | None = None
 
     def _check_vbucket(self, vb: int) -> None:
         reg = self.registry
@@ -128,6 +138,7 @@ class Connection:
                     ErrorCode.BAD_HANDSHAKE,
                     f"router uses {message.num_vbuckets} vbuckets, this node {len(reg.owned)}",
                 )
+            self._check_source(message)
             self.handshake = message
             return None
         if type(message) is p.MutationBatch:
@@ -186,6 +197,26 @@ class Connection:
             )
         if not p.token_matches(handshake.token, self.token):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "the handshake's token is wrong")
+
+    def _check_source(self, handshake: p.Handshake) -> None:
+        """A node indexes one source's history: the first one it sees is claimed here, another
+        one is refused (before anything is rolled back) unless the node adopts it."""
+        reg = self.registry
+        identity = p.source_identity(handshake)
+        if reg.source == identity:
+            return
+        if reg.source is None or (reg.adopt_source and not handshake.build):
+            self.replaces = reg.source
+            self.new_source = reg.source = identity
+            reg.adopt_source = False
+            return
+        raise ProtocolError(
+            ErrorCode.SOURCE_MISMATCH,
+            f"this node indexes the history of {p.describe_source(reg.source)}, and this router "
+            f"streams that of {p.describe_source(identity)}: refused, nothing rolled back. Point "
+            "the router at its own nodes, or restart this node with `indexer serve "
+            "--adopt-source` to drop what it holds and index the new source",
+        )
 
     def _accept_batch(self, batch: p.MutationBatch) -> p.MutationBatch | None:
         reg = self.registry
@@ -272,6 +303,8 @@ class Reader:
         self.handshake_timeout_s = handshake_timeout_s
         # Rolls the index back (set by the daemon): connection id, {vbucket: rollback seqno}.
         self.rollback: Callable[[int, dict[int, int]], Awaitable[None]] | None = None
+        # Records the source the store indexes (set by the daemon; blocking: a synced write).
+        self.record_source: Callable[[str], None] | None = None
         self._ids = itertools.count(1)
         self._open = trio.Event()
         self._open.set()
@@ -452,6 +485,8 @@ class Reader:
                         if item is not None:
                             accepted.append(item)
                         if was_new and conn.handshake is not None:
+                            if conn.new_source is not None:
+                                await self._take_source(conn, peer)
                             if conn.handshake.build:
                                 build = self._start_build_stream(conn)
                                 await self._reply_build(stream, conn, build, send_lock, peer)
@@ -483,6 +518,36 @@ class Reader:
                 async with send_lock:
                     await stream.send_all(p.encode(p.BufferAck(credit)))
                 credit = 0
+
+    async def _take_source(self, conn: Connection, peer: str) -> None:
+        """Record the source a handshake claimed, before any of its mutations can land; one
+        that takes the node over (--adopt-source) first drops everything of the old one."""
+        assert conn.handshake is not None and conn.new_source is not None
+        reg = self.registry
+        router = conn.handshake.router or "unnamed"
+        new, old = conn.new_source, conn.replaces
+        try:
+            if old is not None:
+                log.warning(
+                    "router %s (%s) takes this node over (--adopt-source): dropping every index "
+                    "entry of %s to index %s",
+                    peer,
+                    router,
+                    p.describe_source(old),
+                    p.describe_source(new),
+                )
+                if self.rollback is None:
+                    raise ProtocolError(ErrorCode.INTERNAL, "rollback is not available")
+                await self.rollback(conn.conn_id, {vb: 0 for vb, on in enumerate(reg.owned) if on})
+                reg.failover_logs.clear()  # the old source's histories mean nothing now
+            if self.record_source is not None:
+                await trio.to_thread.run_sync(self.record_source, new)
+        except BaseException:
+            if reg.source == new:  # not recorded: the next handshake decides again
+                reg.source = old
+                reg.adopt_source = reg.adopt_source or old is not None
+            raise
+        log.info("router %s (%s): this node indexes %s", peer, router, p.describe_source(new))
 
     def _start_build_stream(self, conn: Connection) -> IndexBuild:
         """A build handshake: the connection streams into the index's build from now on."""

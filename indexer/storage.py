@@ -6,6 +6,7 @@ One LevelDB database holds every index, so one WriteBatch applies a flush to all
     b"r" + id (u16) + docid                                  -> key   back index
     b"\\x00meta:indexes"                                      -> JSON  names, ids, keys, wheres
     b"\\x00meta:format"                                       -> "2"   layout of main entries
+    b"\\x00meta:source"                                       -> the source indexed (its identity)
 
 The docid's length at the end of a main entry lets a scan split a batch of entries into keys and
 docids with array operations (see `scans.entry_batches`).
@@ -34,6 +35,7 @@ STORE_DIR = "store"
 _META_INDEXES = b"\x00meta:indexes"
 _META_SYNC = b"\x00meta:sync"
 _META_FORMAT = b"\x00meta:format"
+_META_SOURCE = b"\x00meta:source"
 # 2: main entries end with the docid's length (keys.entry_tail); 1 (no marker): they do not.
 ENTRY_FORMAT = 2
 _ID = struct.Struct(">H")
@@ -367,6 +369,16 @@ class IndexStore:
     def compact(self) -> None:
         """Compact every level of the store (blocking: LevelDB rewrites what is live)."""
         self.db.compact_range()
+
+    @property
+    def source(self) -> str | None:
+        """The identity of the source whose history this store indexes; None: none yet."""
+        raw: bytes | None = self.db.get(_META_SOURCE)
+        return None if raw is None else raw.decode()
+
+    def record_source(self, identity: str) -> None:
+        """The store indexes this source from now on (synced before any of its data lands)."""
+        self._guarded(lambda: self.db.put(_META_SOURCE, identity.encode(), sync=True))
 
     def sync(self) -> None:
         """Make every earlier write durable (a synchronous write syncs LevelDB's log)."""

@@ -97,8 +97,10 @@ def loads_document(text: str | bytes) -> Any:
     reads at most 64-bit integers, so only the standard library's path needs the checks.
     """
     value = _loads_checked(text)
-    nesting = text.count("[") + text.count("{") if isinstance(text, str) else (
-        text.count(b"[") + text.count(b"{")
+    nesting = (
+        text.count("[") + text.count("{")
+        if isinstance(text, str)
+        else (text.count(b"[") + text.count(b"{"))
     )
     if nesting > MAX_DEPTH and isinstance(value, dict | list) and _depth_exceeds(value, MAX_DEPTH):
         raise DocumentError(f"arrays and objects nest deeper than {MAX_DEPTH} levels")

@@ -610,7 +610,7 @@ async def feed_log(
     for _ in range(MAX_RECONNECTS):
         vbuckets = log.vbuckets_with_history()
         logs = {vb: log.failover_log(vb) for vb in vbuckets}
-        handshake = p.Handshake(router_name, n, tuple(vbuckets), logs)
+        handshake = p.Handshake(router_name, n, tuple(vbuckets), logs, source=log.identity)
         try:
             return await _feed_once(host, port, handshake, start, settings)
         except FeedError as exc:
@@ -812,7 +812,7 @@ async def follow_log(
     # Every vbucket, so the restart positions of those first used later are known too.
     vbuckets = log.vbuckets_with_history()
     logs = {vb: log.failover_log(vb) for vb in vbuckets}
-    handshake = p.Handshake(router_name, n, tuple(range(n)), logs)
+    handshake = p.Handshake(router_name, n, tuple(range(n)), logs, source=log.identity)
 
     async def run(peer: _Peer) -> NoReturn:
         reply = await _handshake(peer, handshake, settings)

@@ -413,6 +413,8 @@ class NodeProgress:
     superseded: int = 0
     backfilling: int = 0
     connections: int = 0
+    last_error: str = ""  # why the last connection failed or ended ("" if none did)
+    stopped: bool = False  # refused for good (another source): not retried
 
 
 async def follow_memory(
@@ -451,7 +453,9 @@ async def follow_memory(
     )
     vbuckets = source.vbuckets_with_history()
     logs = {vb: source.failover_log(vb) for vb in vbuckets}
-    handshake = p.Handshake(router_name, n, tuple(range(n)), logs, build=build)
+    handshake = p.Handshake(
+        router_name, n, tuple(range(n)), logs, build=build, source=source.identity
+    )
     stats = progress if progress is not None else NodeProgress()
 
     async def run(peer: _Peer) -> NoReturn:

@@ -353,6 +353,11 @@ async def stream_to_node(
     log.info("%s: stopped", node)
 
 
+# Refusals no retry can cure: the node indexes another source (it adopts one only when its
+# operator restarts it with --adopt-source, and the router then needs a restart too).
+FINAL_CODES = frozenset({p.ErrorCode.SOURCE_MISMATCH})
+
+
 async def _keep_streaming(
     address: Address,
     source: SourceLog,
@@ -416,6 +421,12 @@ async def _keep_streaming(
                 continue
             except (FeedError, OSError) as exc:
                 code = exc.code if isinstance(exc, FeedError) else None
+                progress.last_error = str(exc)
+                if code in FINAL_CODES:
+                    # Retrying cannot cure it: the stream stops, and /stats says why.
+                    log.error("%s: stopped streaming to this node: %s", name, exc)
+                    progress.stopped = True
+                    return
                 if code is p.ErrorCode.NOT_MY_SLICE and nodes.on_not_my_slice is not None:
                     log.warning("%s: %s; re-reading the cluster map", name, exc)
                     nodes.on_not_my_slice()

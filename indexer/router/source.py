@@ -7,6 +7,11 @@ One LevelDB database in the router's state directory (`STATE_DIR`):
     b"e" + expiry (u64) + docid          -> b"" (documents whose latest version expires then)
     b"y" + docid                         -> expiry (u64) of the document's latest version
     b"\\x00meta:num_vbuckets"            -> the number of vbuckets, fixed at creation
+    b"\\x00meta:source"                  -> the log's identity (a UUID), made at creation
+
+The identity names this history, as a Couchbase bucket UUID does: every handshake carries it,
+and a node indexes the history of one source only (another log, even one with the same
+documents, numbers them differently). A log made before identities gets one when next opened.
 
 A vbucket's failover log lists the branches of its history, newest first: (vbuuid, the seqno
 where the branch starts), as a UPR producer keeps it. Its first use creates (random vbuuid, 0).
@@ -20,6 +25,7 @@ import json
 import secrets
 import struct
 import time
+import uuid
 from collections.abc import Generator, Iterable
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -34,6 +40,7 @@ from indexer.storage import open_leveldb, start_compaction_thread
 STATE_DIR = "source"
 DEFAULT_NUM_VBUCKETS = 1024
 _META_VBUCKETS = b"\x00meta:num_vbuckets"
+_META_SOURCE = b"\x00meta:source"
 _RECORD = b"s"
 _VBUCKET = b"v"
 _VB = struct.Struct(">H")
@@ -145,6 +152,7 @@ class SourceLog:
         start_compaction_thread(self.db, compaction_nice)  # the log compacts as it grows
         try:
             self.num_vbuckets = self._check_vbuckets(num_vbuckets)
+            self.identity = self._identity()
             self._vbuckets = self._load_vbuckets()
             # docid -> expiry of its latest version, for the documents that have one.
             self._pending = {
@@ -170,6 +178,15 @@ class SourceLog:
         if wanted is not None and wanted != count:
             raise SourceError(f"the source log in {self.path} has {count} vbuckets, not {wanted}")
         return count
+
+    def _identity(self) -> str:
+        """The log's source identity, made (a random UUID) the first time it is asked for."""
+        stored = self.db.get(_META_SOURCE)
+        if stored is not None:
+            return str(stored.decode())
+        identity = uuid.uuid4().hex
+        self.db.put(_META_SOURCE, identity.encode(), sync=True)
+        return identity
 
     def _load_vbuckets(self) -> dict[int, _Vbucket]:
         out = {}

@@ -41,6 +41,7 @@ MESSAGES: list[p.Message] = [
     p.Ack(()),
     p.Error(ErrorCode.NOT_MY_SLICE, "vbucket 9 is not owned by this node — é"),
     p.Handshake("r", 1024, (5,), {5: ((2**64 - 1, 120), (7, 0))}, flow_control=True),
+    p.Handshake("r", 1024, (5,), source="9f1c2b7e4a5d4c3b8a7f6e5d4c3b2a19"),
     p.HandshakeReply(
         (p.IndexDefinition("by_age", ("age",)),),
         1024,

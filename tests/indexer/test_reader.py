@@ -47,6 +47,38 @@ def test_handshake_with_another_vbucket_count_is_refused() -> None:
     assert refused(conn, p.Handshake("r", 1024, ())) is ErrorCode.BAD_HANDSHAKE
 
 
+def test_the_first_source_is_claimed_and_another_refused_before_anything_else() -> None:
+    registry = StreamRegistry(range(N), [0] * N)
+    first = Connection(1, registry, nkeys=1)
+    assert first.accept(p.Handshake("a", N, (), source="aaaa")) is None
+    assert (first.new_source, first.replaces, registry.source) == ("aaaa", None, "aaaa")
+    same = Connection(2, registry, nkeys=1)
+    assert same.accept(p.Handshake("a2", N, (), source="aaaa")) is None
+    assert same.new_source is None  # nothing to record
+    for other in ("bbbb", ""):  # "" is the stateless feed's identity
+        conn = Connection(3, registry, nkeys=1)
+        with pytest.raises(ProtocolError) as info:
+            conn.accept(p.Handshake("b", N, (), {0: ((5, 0),)}, source=other))
+        assert info.value.code is ErrorCode.SOURCE_MISMATCH
+        assert "source log aaaa" in info.value.message and "--adopt-source" in info.value.message
+        assert conn.handshake is None and registry.source == "aaaa"
+    assert registry.failover_logs == {}  # nothing of the refused handshakes was used
+
+
+def test_adopt_source_lets_one_other_source_take_over() -> None:
+    registry = StreamRegistry(range(N), [0] * N, source="aaaa", adopt_source=True)
+    build = Connection(1, registry, nkeys=1)
+    with pytest.raises(ProtocolError):  # a build stream never takes a node over
+        build.accept(p.Handshake("b", N, (), build="by_age", source="bbbb"))
+    conn = Connection(2, registry, nkeys=1)
+    assert conn.accept(p.Handshake("b", N, (), source="bbbb")) is None
+    assert (conn.new_source, conn.replaces, registry.source) == ("bbbb", "aaaa", "bbbb")
+    assert not registry.adopt_source  # spent
+    assert refused(Connection(3, registry, nkeys=1), p.Handshake("a", N, (), source="aaaa")) is (
+        ErrorCode.SOURCE_MISMATCH
+    )
+
+
 def test_a_stream_in_order_is_accepted() -> None:
     conn = connection()
     assert conn.accept(p.StreamBegin(3, 99)) == p.StreamBegin(3, 99)
