@@ -2,10 +2,11 @@
 
 Routes (JSON unless said otherwise; errors are `{"error": message}` with a 4xx/5xx status):
 
-    GET    /health                   200 once the daemon is ready
+    GET    /health                   200 once the daemon is ready (HEAD: the same, no body)
     GET    /stats                    HWT summary, snapshots, queues, slab, throttle, index counts
     GET    /metrics                  Prometheus text format
     GET    /indexes                  index definitions, states and entry counts
+    GET    /indexes/NAME             one index: its entry of /indexes
     GET    /indexes/NAME/scan        NDJSON rows, or Arrow IPC when asked (Accept: ARROW below)
     GET    /indexes/NAME/count       {"count": N}
     GET    /indexes/NAME/splits      key ranges of about equal size, for parallel readers
@@ -20,6 +21,12 @@ Routes (JSON unless said otherwise; errors are `{"error": message}` with a 4xx/5
 
 Every scan answer names the snapshot it read: headers `X-Indexer-Snapshot` (its number) and
 `X-Indexer-Seqno-Sum`, and for Arrow the same in the stream's schema metadata.
+
+Query parameters: /scan takes eq, low, high, inclusion, start, stop, limit, consistency, at_plus,
+timeout and pin; /count the same but limit; /splits parts, consistency, at_plus, timeout and pin;
+every other route none. Any other parameter, or one given twice, is a 400 naming it. `at_plus`
+alone implies consistency=at_plus (with another consistency it is a 400); a `pin` reads its
+pinned snapshot, so it takes no consistency, at_plus or timeout.
 
 With `[security] token`, every call but GETs needs `Authorization: Bearer TOKEN` (GETs too with
 `scan_token_required`, but /health): otherwise 401 with `WWW-Authenticate`. `[limits]` bounds
@@ -38,7 +45,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl
 
 import pyarrow as pa
 import trio
@@ -91,6 +98,16 @@ MAX_LEASE_S = 86400.0
 CONSISTENCIES = ("any", "request_plus", "at_plus")
 INDEX_ACTIONS = ("scan", "count", "splits")
 READ_METHODS = ("GET", "HEAD")
+# The query parameters each route takes; any other is a 400 (ROUTE_PARAMS: none).
+SNAPSHOT_PARAMS = ("consistency", "at_plus", "timeout", "pin")
+COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", *SNAPSHOT_PARAMS)
+ACTION_PARAMS = {
+    "scan": (*COUNT_PARAMS, "limit"),
+    "count": COUNT_PARAMS,
+    "splits": ("parts", *SNAPSHOT_PARAMS),
+}
+ROUTE_PARAMS: tuple[str, ...] = ()
+ROUTES = ("/health", "/stats", "/metrics", "/indexes", "/compact", "/snapshots", "/snapshots/pin")
 PIN_ROUTE = re.compile(r"^/snapshots/(p\d+)(/renew)?$")
 
 Scope = dict[str, Any]
@@ -158,6 +175,8 @@ class HttpApi:
                     return
         if scope["type"] != "http":
             return
+        if scope["method"] == "HEAD":
+            send = _headers_only(send)
         try:
             await self._route(scope, receive, send)
         except ApiError as exc:
@@ -171,11 +190,13 @@ class HttpApi:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
         path = scope["path"].rstrip("/") or "/"
-        query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode()).items()}
+        query = _query(scope["query_string"])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self._authorize(scope, method, path, headers)
+        if path in ROUTES or PIN_ROUTE.match(path):  # /indexes/NAME... checks its own
+            _params(query, ROUTE_PARAMS, path)
         if path == "/health":
-            _only(method, "GET")
+            _only(method, "GET", "HEAD")
             if not self.view.ready:
                 raise ApiError(503, "starting", {"retry-after": "1"})
             await _json(send, 200, {"status": "ok"})
@@ -226,20 +247,25 @@ class HttpApi:
     async def _index_route(
         self, method: str, path: str, query: dict[str, str], headers: dict[str, str], send: Send
     ) -> None:
-        """DELETE /indexes/NAME and GET /indexes/NAME/(scan|count|splits); a name that is not
-        an index name is a 400, whatever follows it."""
+        """GET and DELETE /indexes/NAME and GET /indexes/NAME/(scan|count|splits); a name that
+        is not an index name is a 400, whatever follows it."""
         name, _, action = path[len("/indexes/") :].partition("/")
         problem = check_index_name(name)
         if problem is not None:
             raise ApiError(400, problem)
         if not action:
-            _only(method, "DELETE")
+            _only(method, "GET", "DELETE")
+            _params(query, ROUTE_PARAMS, path)
+            if method == "GET":
+                await _json(send, 200, self.index_details(name))
+                return
             await self._catalog_call(self._catalog().drop(name))
             await _respond(send, 204, b"", "text/plain")
             return
         if action not in INDEX_ACTIONS:
             raise ApiError(404, f"no such route: {path} (an index has /scan, /count, /splits)")
         _only(method, "GET")
+        _params(query, ACTION_PARAMS[action], f"/indexes/NAME/{action}")
         with self._scan_slot():
             index = self._index(name, query)
             if action == "splits":
@@ -449,16 +475,31 @@ class HttpApi:
         return KeyRange(lo, hi)
 
     async def _read_snapshot(self, query: dict[str, str]) -> StabilitySnapshot:
+        """The snapshot a read asks for: its pin's, or one at its consistency. `at_plus` alone
+        implies consistency=at_plus; a parameter the choice would ignore is a 400."""
         if "pin" in query:
+            ignored = [p for p in ("consistency", "at_plus", "timeout") if p in query]
+            if ignored:
+                raise ApiError(
+                    400,
+                    f"{', '.join(ignored)}: not taken with pin, which reads the pinned snapshot "
+                    "as it is",
+                )
             pin = self.view.snapshots.pins.get(query["pin"])
             if pin is None:
                 raise ApiError(404, f"no pin {query['pin']!r} (released or expired)")
             return pin.snapshot
         timeout = _number(query.get("timeout", DEFAULT_TIMEOUT_S), "timeout", 0, 3600)
         at_plus = parse_json_param("at_plus", query["at_plus"]) if "at_plus" in query else None
-        consistency = query.get("consistency", "any")
+        consistency = query.get("consistency", "at_plus" if "at_plus" in query else "any")
         if consistency == "at_plus" and at_plus is None:
             raise ApiError(400, "consistency=at_plus needs at_plus={vbucket: seqno, ...}")
+        if at_plus is not None and consistency != "at_plus":
+            raise ApiError(
+                400,
+                f"at_plus is given with consistency={consistency}, which would ignore it: give "
+                "at_plus alone (or with consistency=at_plus) to wait for that vector",
+            )
         return await self._snapshot_for(consistency, at_plus, timeout)
 
     async def scan(
@@ -616,6 +657,13 @@ class HttpApi:
         out["build"] = asdict(status)
         return out
 
+    def index_details(self, name: str) -> dict[str, Any]:
+        """GET /indexes/NAME: its entry of /indexes, or a 404."""
+        for entry in self.index_list():
+            if entry["name"] == name:
+                return entry
+        raise ApiError(404, f"no index named {name!r}")
+
     def stats(self) -> dict[str, Any]:
         v = self.view
         snaps = v.snapshots
@@ -770,9 +818,35 @@ def _arrow_chunk(batches: Iterator[EntryBatch], writer: Any, schema: pa.Schema) 
     return True
 
 
-def _only(method: str, allowed: str) -> None:
-    if method != allowed:
-        raise ApiError(405, f"{method} not allowed here; use {allowed}", {"allow": allowed})
+def _only(method: str, *allowed: str) -> None:
+    if method not in allowed:
+        methods = ", ".join(allowed)
+        raise ApiError(405, f"{method} not allowed here; use {methods}", {"allow": methods})
+
+
+def _query(raw: bytes) -> dict[str, str]:
+    """The query string's parameters (blank ones too); one given twice is a 400."""
+    query: dict[str, str] = {}
+    for name, value in parse_qsl(raw.decode(errors="replace"), keep_blank_values=True):
+        if name in query:
+            raise ApiError(400, f"{name}: given more than once")
+        query[name] = value
+    return query
+
+
+def _params(query: dict[str, str], allowed: tuple[str, ...], route: str) -> None:
+    """400 naming the parameters `route` does not take, rather than ignoring them."""
+    unknown = sorted(set(query) - set(allowed))
+    if unknown:
+        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+        names = ", ".join(repr(name) for name in unknown)
+        plural = "s" if len(unknown) > 1 else ""
+        raise ApiError(400, f"unknown query parameter{plural} {names} for {route}: {takes}")
+
+
+def _plain(number: float) -> str:
+    """A bound as a person writes it: whole numbers in full, not as 4.61169e+18."""
+    return str(int(number)) if float(number).is_integer() else f"{number:g}"
 
 
 def _number(value: Any, name: str, low: float, high: float) -> float:
@@ -781,7 +855,7 @@ def _number(value: Any, name: str, low: float, high: float) -> float:
     except (TypeError, ValueError):
         raise ApiError(400, f"{name}: a number, not {value!r}") from None
     if math.isnan(number) or not low <= number <= high:
-        raise ApiError(400, f"{name}: from {low:g} to {high:g}, not {value!r}")
+        raise ApiError(400, f"{name}: from {_plain(low)} to {_plain(high)}, not {value!r}")
     return number
 
 
@@ -831,6 +905,17 @@ async def _body_json(receive: Receive) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ApiError(400, "the body must be a JSON object")
     return value
+
+
+def _headers_only(send: Send) -> Send:
+    """The `send` of a HEAD request: the status and headers GET would give, no body."""
+
+    async def send_head(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_head
 
 
 async def _start(send: Send, status: int, content_type: str, extra: dict[str, str]) -> None:
