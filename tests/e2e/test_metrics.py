@@ -1,4 +1,4 @@
-"""/metrics and /stats of a real daemon: Prometheus names and types (counters
+"""/metrics and /stats of a real daemon and a real router: Prometheus names and types (counters
 as counters with `_total`, histograms with buckets), build info, the process collector, and
 the statistics an operator reads (uptime, version, per-index bytes on disk and scans)."""
 
@@ -205,4 +205,57 @@ def test_a_full_disk_shows_in_the_gauge(
         "the disk-full gauge to clear", lambda: metrics(daemon.url).value("indexer_disk_full") == 0
     )
     wait_equal(daemon, documents)
+    assert daemon.stop() == 0
+
+
+def test_router_metrics_and_stats(daemon_factory: Any, routers: Any, tmp_path: Path) -> None:
+    daemon = daemon_factory().start()
+    documents = list(generate(Workload(2_000, 500, 0.1, 45)))
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl),
+        "--to", daemon.address, "--http", "127.0.0.1:0",
+    )  # fmt: skip
+    (url,) = router.wait_log(r"router API on (http://\S+)")
+    wait_equal(daemon, documents)
+
+    stats = httpx.get(url + "/stats").json()
+    assert stats["version"] == VERSION
+    assert 0 < stats["uptime_s"] < 600
+    assert stats["nodes"][daemon.address]["connected"] is True
+
+    m = metrics(url)
+    assert m.value("indexer_router_build_info", version=VERSION) == 1
+    for name in (
+        "indexer_router_node_sent",
+        "indexer_router_node_backfilled",
+        "indexer_router_node_superseded",
+        "indexer_router_node_connections",
+        "indexer_router_cursors_dropped",
+        "indexer_router_snapshots_collapsed",
+        "indexer_router_items_expelled",
+        "indexer_router_documents_expired",
+        "indexer_router_http_refused",
+        "indexer_router_gc_collections",
+        "process_cpu_seconds",
+    ):
+        assert m.type_of(name) == "counter", name
+        assert m.samples(name, "_total"), name
+    node = daemon.address
+    sent = m.value("indexer_router_node_sent", "_total", node=node)
+    backfilled = m.value("indexer_router_node_backfilled", "_total", node=node)
+    assert sent + backfilled >= len({d.docid for d in documents})
+    assert sent >= stats["nodes"][node]["sent"]  # scraped after /stats: counters only grow
+    assert m.value("indexer_router_node_connections", "_total", node=node) >= 1
+    assert m.type_of("indexer_router_node_connected") == "gauge"
+    assert m.value("indexer_router_node_connected", node=node) == 1
+    assert m.value("indexer_router_source_high_seqno_sum") == len(documents)
+    assert m.value("indexer_router_memory_capacity_bytes") > 0
+    assert m.value("process_resident_memory_bytes") > 0
+    for family in m.families.values():
+        if family.type == "gauge":
+            assert not family.name.endswith("_total"), family.name
+    wrong = httpx.post(url + "/metrics")
+    assert wrong.status_code == 405 and wrong.json()["error"]
+    assert router.stop() == 0
     assert daemon.stop() == 0
