@@ -2,10 +2,12 @@
 
 Routes (JSON unless said otherwise; errors are `{"error": message}` with a 4xx/5xx status):
 
-    GET    /health                   200 once the daemon is ready
-    GET    /stats                    HWT summary, snapshots, queues, slab, throttle, index counts
-    GET    /metrics                  Prometheus text format
+    GET    /health                   200 once the daemon is ready (HEAD: the same, no body)
+    GET    /stats                    uptime, version, HWT summary, snapshots, queues, slab,
+                                     throttle, per index entries, bytes on disk and scans
+    GET    /metrics                  Prometheus text format (below)
     GET    /indexes                  index definitions, states and entry counts
+    GET    /indexes/NAME             one index: its entry of /indexes and of /stats' indexes
     GET    /indexes/NAME/scan        NDJSON rows, or Arrow IPC when asked (Accept: ARROW below)
     GET    /indexes/NAME/count       {"count": N}
     GET    /indexes/NAME/splits      key ranges of about equal size, for parallel readers
@@ -20,6 +22,52 @@ Routes (JSON unless said otherwise; errors are `{"error": message}` with a 4xx/5
 
 Every scan answer names the snapshot it read: headers `X-Indexer-Snapshot` (its number) and
 `X-Indexer-Seqno-Sum`, and for Arrow the same in the stream's schema metadata.
+
+Query parameters: /scan takes eq, low, high, inclusion, start, stop, limit, consistency, at_plus,
+timeout and pin; /count the same but limit; /splits parts, consistency, at_plus, timeout and pin;
+every other route none. Any other parameter, or one given twice, is a 400 naming it. `at_plus`
+alone implies consistency=at_plus (with another consistency it is a 400); a `pin` reads its
+pinned snapshot, so it takes no consistency, at_plus or timeout.
+
+/stats adds to the stages' statistics `uptime_s` (since the process started), `version`,
+`scans_in_flight` (scan, count and split requests being served now, at most
+limits.max_concurrent_scans), `scans_active` (of those, the ones streaming rows now),
+`scans_served` (scan and count requests answered since start) and per index under `indexes`:
+`entries`; `bytes_on_disk`, LevelDB's estimate of what its main and back entries take in the
+table files (what is only in the write-ahead log and memtable yet, a few MiB, is not counted);
+`scans`, the scan and count requests answered; `rows`, the rows scans returned; and
+`scan_latency_s`, their latency from the index's lookup to the last byte: count, mean, p50 and
+p99 (estimated from the histogram's buckets) and max.
+
+/metrics: counters are Prometheus counters, exposed with `_total`; histograms have `_bucket`,
+`_sum` and `_count`.
+
+    indexer_build_info{version}                    1, with the package's version
+    indexer_mutations_received_total               mutations received from routers
+    indexer_mutations_flushed_total                mutations written to the store
+    indexer_protocol_errors_total                  connections refused for protocol errors
+    indexer_throttle_pauses_total                  times reads were paused for memory
+    indexer_store_write_errors_total               failed store writes (each retried)
+    indexer_persist_errors_total                   failed persists (each retried)
+    indexer_http_refused_total{reason}             unauthorized, too_many_scans, too_many_rows
+    indexer_gc_collections_total{generation}       cycle collections
+    indexer_scans_total{index}                     scan and count requests answered
+    indexer_scan_rows_total{index}                 rows scans returned
+    indexer_scan_duration_seconds{index}           histogram: latency of those requests
+    indexer_flush_duration_seconds                 histogram: a flush of every worker
+    indexer_persist_lag_seconds                    histogram: a snapshot's age when persisted
+    indexer_index_entries{index}                   gauge: entries per active index
+    indexer_index_bytes_on_disk{index}             gauge: the estimate of /stats
+    indexer_build_progress_ratio{index}            gauge: 0 to 1, per index being built
+    indexer_persist_failing                        gauge: 1 while persists fail
+    indexer_disk_full                              gauge: 1 while a store write or persist
+                                                   fails for lack of space
+    indexer_scans_in_flight                        gauge: as in /stats
+    indexer_router_connections, indexer_queued_mutations{worker}, indexer_rss_bytes,
+    indexer_slab_chunk_bytes_in_use, indexer_slab_total_bytes, indexer_throttle_paused,
+    indexer_stable_seqno_sum, indexer_persisted_seqno_sum, indexer_snapshot_pins,
+    indexer_gc_pause_longest_seconds{generation}   gauges
+    process_*                                      the process's CPU, memory, files, start time
 
 With `[security] token`, every call but GETs needs `Authorization: Bearer TOKEN` (GETs too with
 `scan_token_required`, but /health): otherwise 401 with `WWW-Authenticate`. `[limits]` bounds
@@ -36,14 +84,14 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl
 
 import pyarrow as pa
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from indexer.build import IndexBuild
 from indexer.catalog import CatalogError, IndexCatalog
@@ -56,6 +104,17 @@ from indexer.config import (
     LimitsConfig,
     SecurityConfig,
     check_index_name,
+)
+from indexer.metrics import (
+    SCAN_BUCKETS_S,
+    Histogram,
+    build_info,
+    collector_metrics,
+    counter,
+    gauge,
+    histogram_family,
+    process_started_at,
+    version,
 )
 from indexer.protocol import IndexDefinition, bearer_refusal
 from indexer.reader import StreamRegistry
@@ -91,6 +150,17 @@ MAX_LEASE_S = 86400.0
 CONSISTENCIES = ("any", "request_plus", "at_plus")
 INDEX_ACTIONS = ("scan", "count", "splits")
 READ_METHODS = ("GET", "HEAD")
+# The query parameters each route takes; any other is a 400 (ROUTE_PARAMS: none).
+SNAPSHOT_PARAMS = ("consistency", "at_plus", "timeout", "pin")
+COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", *SNAPSHOT_PARAMS)
+ACTION_PARAMS = {
+    "scan": (*COUNT_PARAMS, "limit"),
+    "count": COUNT_PARAMS,
+    "splits": ("parts", *SNAPSHOT_PARAMS),
+}
+ROUTE_PARAMS: tuple[str, ...] = ()
+ROUTES = ("/health", "/stats", "/metrics", "/indexes", "/compact", "/snapshots", "/snapshots/pin")
+NO_SPACE = "No space left on device"  # in what a write to a full disk raises
 PIN_ROUTE = re.compile(r"^/snapshots/(p\d+)(/renew)?$")
 
 Scope = dict[str, Any]
@@ -128,6 +198,15 @@ class DaemonView:
     ready: bool = False
 
 
+@dataclass
+class IndexReads:
+    """The scan and count requests one index answered: /stats' and /metrics' per-index view."""
+
+    scans: int = 0
+    rows: int = 0
+    latency: Histogram = field(default_factory=lambda: Histogram(SCAN_BUCKETS_S))
+
+
 class HttpApi:
     """The ASGI application."""
 
@@ -140,10 +219,17 @@ class HttpApi:
         self.view = view
         self.security = security or SecurityConfig()
         self.limits = limits or LimitsConfig()
+        # The app's own registry: two apps in one process (the tests) never share metrics.
         self.metrics = CollectorRegistry()
         self.metrics.register(_Collector(self))
+        ProcessCollector(registry=self.metrics)
+        self.started_at = process_started_at()
+        self.version = version()
         self.active_scans = 0  # streaming rows now
-        self.scan_requests = 0  # scan, count and split requests being served
+        self.scans_in_flight = 0  # scan, count and split requests being served now
+        self.scans_served = 0  # scan and count requests answered since start
+        self.reads: dict[str, IndexReads] = {}  # by index name
+        self.bytes_on_disk: dict[str, int] = {}  # by index name, as last measured
         self.refused = {"unauthorized": 0, "too_many_scans": 0, "too_many_rows": 0}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -158,6 +244,8 @@ class HttpApi:
                     return
         if scope["type"] != "http":
             return
+        if scope["method"] == "HEAD":
+            send = _headers_only(send)
         try:
             await self._route(scope, receive, send)
         except ApiError as exc:
@@ -171,19 +259,23 @@ class HttpApi:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]
         path = scope["path"].rstrip("/") or "/"
-        query = {k: v[-1] for k, v in parse_qs(scope["query_string"].decode()).items()}
+        query = _query(scope["query_string"])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self._authorize(scope, method, path, headers)
+        if path in ROUTES or PIN_ROUTE.match(path):  # /indexes/NAME... checks its own
+            _params(query, ROUTE_PARAMS, path)
         if path == "/health":
-            _only(method, "GET")
+            _only(method, "GET", "HEAD")
             if not self.view.ready:
                 raise ApiError(503, "starting", {"retry-after": "1"})
             await _json(send, 200, {"status": "ok"})
         elif path == "/stats":
             _only(method, "GET")
+            await self.measure_disk()
             await _json(send, 200, self.stats())
         elif path == "/metrics":
             _only(method, "GET")
+            await self.measure_disk()
             body = generate_latest(self.metrics)
             await _respond(send, 200, body, "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/indexes":
@@ -226,26 +318,41 @@ class HttpApi:
     async def _index_route(
         self, method: str, path: str, query: dict[str, str], headers: dict[str, str], send: Send
     ) -> None:
-        """DELETE /indexes/NAME and GET /indexes/NAME/(scan|count|splits); a name that is not
-        an index name is a 400, whatever follows it."""
+        """GET and DELETE /indexes/NAME and GET /indexes/NAME/(scan|count|splits); a name that
+        is not an index name is a 400, whatever follows it."""
         name, _, action = path[len("/indexes/") :].partition("/")
         problem = check_index_name(name)
         if problem is not None:
             raise ApiError(400, problem)
         if not action:
-            _only(method, "DELETE")
+            _only(method, "GET", "DELETE")
+            _params(query, ROUTE_PARAMS, path)
+            if method == "GET":
+                await _json(send, 200, await self.index_details(name))
+                return
             await self._catalog_call(self._catalog().drop(name))
             await _respond(send, 204, b"", "text/plain")
             return
         if action not in INDEX_ACTIONS:
             raise ApiError(404, f"no such route: {path} (an index has /scan, /count, /splits)")
         _only(method, "GET")
+        _params(query, ACTION_PARAMS[action], f"/indexes/NAME/{action}")
         with self._scan_slot():
             index = self._index(name, query)
             if action == "splits":
                 await self.split(index, query, send)
-            else:
-                await self.scan(index, query, headers, send, count_only=action == "count")
+                return
+            started = time.perf_counter()
+            rows = await self.scan(index, query, headers, send, count_only=action == "count")
+            self._served(name, rows, time.perf_counter() - started)
+
+    def _served(self, name: str, rows: int, seconds: float) -> None:
+        """Count a scan or count request answered: its rows and how long it took."""
+        reads = self.reads.setdefault(name, IndexReads())
+        reads.scans += 1
+        reads.rows += rows
+        reads.latency.observe(seconds)
+        self.scans_served += 1
 
     # ---------------------------------------------------------------------------- security
 
@@ -275,7 +382,7 @@ class HttpApi:
     def _scan_slot(self) -> Iterator[None]:
         """One of `limits.max_concurrent_scans` places, or 429 when all are taken."""
         most = self.limits.max_concurrent_scans
-        if self.scan_requests >= most:
+        if self.scans_in_flight >= most:
             self.refused["too_many_scans"] += 1
             log.warning("scan refused: %d scans running (limits.max_concurrent_scans)", most)
             raise ApiError(
@@ -284,11 +391,11 @@ class HttpApi:
                 "(limits.max_concurrent_scans): retry shortly",
                 {"retry-after": "1"},
             )
-        self.scan_requests += 1
+        self.scans_in_flight += 1
         try:
             yield
         finally:
-            self.scan_requests -= 1
+            self.scans_in_flight -= 1
 
     # ---------------------------------------------------------------------------- catalog
 
@@ -449,16 +556,31 @@ class HttpApi:
         return KeyRange(lo, hi)
 
     async def _read_snapshot(self, query: dict[str, str]) -> StabilitySnapshot:
+        """The snapshot a read asks for: its pin's, or one at its consistency. `at_plus` alone
+        implies consistency=at_plus; a parameter the choice would ignore is a 400."""
         if "pin" in query:
+            ignored = [p for p in ("consistency", "at_plus", "timeout") if p in query]
+            if ignored:
+                raise ApiError(
+                    400,
+                    f"{', '.join(ignored)}: not taken with pin, which reads the pinned snapshot "
+                    "as it is",
+                )
             pin = self.view.snapshots.pins.get(query["pin"])
             if pin is None:
                 raise ApiError(404, f"no pin {query['pin']!r} (released or expired)")
             return pin.snapshot
         timeout = _number(query.get("timeout", DEFAULT_TIMEOUT_S), "timeout", 0, 3600)
         at_plus = parse_json_param("at_plus", query["at_plus"]) if "at_plus" in query else None
-        consistency = query.get("consistency", "any")
+        consistency = query.get("consistency", "at_plus" if "at_plus" in query else "any")
         if consistency == "at_plus" and at_plus is None:
             raise ApiError(400, "consistency=at_plus needs at_plus={vbucket: seqno, ...}")
+        if at_plus is not None and consistency != "at_plus":
+            raise ApiError(
+                400,
+                f"at_plus is given with consistency={consistency}, which would ignore it: give "
+                "at_plus alone (or with consistency=at_plus) to wait for that vector",
+            )
         return await self._snapshot_for(consistency, at_plus, timeout)
 
     async def scan(
@@ -468,7 +590,8 @@ class HttpApi:
         headers: dict[str, str],
         send: Send,
         count_only: bool,
-    ) -> None:
+    ) -> int:
+        """Answer a scan (or with `count_only` a count); the rows it returned."""
         if self.view.throttle.paused:
             raise ApiError(503, "the daemon is short of memory; retry later", {"retry-after": "2"})
         limit = None
@@ -497,9 +620,11 @@ class HttpApi:
                         count_entries, self.view.store, index, snap.store_snapshot, bounds
                     )
                 await _json(send, 200, {"count": n, "snapshot": snap.number}, meta)
-                return
-            chunks = entry_batches(
-                self.view.store, index, snap.store_snapshot, bounds, limit, SCAN_CHUNK
+                return 0
+            chunks = _RowCount(
+                entry_batches(
+                    self.view.store, index, snap.store_snapshot, bounds, limit, SCAN_CHUNK
+                )
             )
             self.active_scans += 1
             try:
@@ -509,6 +634,7 @@ class HttpApi:
                     await self._stream_ndjson(chunks, send, meta)
             finally:
                 self.active_scans -= 1
+            return chunks.rows
         finally:
             snap.release()
 
@@ -616,12 +742,45 @@ class HttpApi:
         out["build"] = asdict(status)
         return out
 
+    def _all_indexes(self) -> list[StoredIndex]:
+        """Every index with entries in the store: those maintained and those being built."""
+        return [*self.view.indexes, *(b.index for b in self._builds())]
+
+    async def measure_disk(self) -> None:
+        """Measure `bytes_on_disk` of every index again (LevelDB's estimate, in a thread)."""
+        indexes = self._all_indexes()
+        sizes = await trio.to_thread.run_sync(self.view.store.approximate_bytes, indexes)
+        self.bytes_on_disk = {i.definition.name: n for i, n in zip(indexes, sizes, strict=True)}
+
+    def index_stats(self, name: str, entries: int) -> dict[str, Any]:
+        """One index's entry in /stats: entries, bytes on disk (as last measured) and reads."""
+        reads = self.reads.get(name) or IndexReads()
+        return {
+            "entries": entries,
+            "bytes_on_disk": self.bytes_on_disk.get(name, 0),
+            "scans": reads.scans,
+            "rows": reads.rows,
+            "scan_latency_s": reads.latency.summary(),
+        }
+
+    async def index_details(self, name: str) -> dict[str, Any]:
+        """GET /indexes/NAME: its entry of /indexes with its entry of /stats, or a 404."""
+        if not any(i.definition.name == name for i in self._all_indexes()):
+            raise ApiError(404, f"no index named {name!r}")
+        await self.measure_disk()
+        for entry in self.index_list():  # the index may have been dropped meanwhile
+            if entry["name"] == name:
+                return {**entry, **self.index_stats(name, entry["entries"])}
+        raise ApiError(404, f"no index named {name!r}")
+
     def stats(self) -> dict[str, Any]:
         v = self.view
         snaps = v.snapshots
         hwt = v.hwt
         owned = [vb for vb, flag in enumerate(v.registry.owned) if flag]
         return {
+            "version": self.version,
+            "uptime_s": round(time.time() - self.started_at, 3),
             "source": v.registry.source,  # the identity of the history indexed (None: none yet)
             "vbuckets": {
                 "count": hwt.num_vbuckets,
@@ -650,72 +809,164 @@ class HttpApi:
             "throttle": asdict(v.throttle.statistics()),
             "reader": asdict(v.registry.statistics()),
             "timekeeper": asdict(v.timekeeper.statistics()),
-            "indexes": {i["name"]: {"entries": i["entries"]} for i in self.index_list()},
+            "indexes": {
+                i["name"]: self.index_stats(i["name"], i["entries"]) for i in self.index_list()
+            },
+            "scans_in_flight": self.scans_in_flight,
             "scans_active": self.active_scans,
-            "scan_requests": self.scan_requests,
+            "scans_served": self.scans_served,
             "refused": dict(self.refused),
         }
 
 
 class _Collector:
-    """Prometheus metrics read from the stages' statistics at scrape time."""
+    """Prometheus metrics read from the stages' statistics at scrape time: counters as
+    counters (`_total`), levels as gauges, latencies as histograms."""
 
     def __init__(self, api: HttpApi) -> None:
         self.api = api
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        v = self.api.view
+    def collect(self) -> Iterator[Metric]:
+        api = self.api
+        v = api.view
         slab = v.pool.statistics()
         throttle = v.throttle.statistics()
         tk = v.timekeeper.statistics()
         snaps = v.snapshots.statistics()
         reader = v.registry.statistics()
+        queues = [w.statistics() for w in v.workers]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"indexer_{name}", doc, value=value)
-
-        yield gauge(
-            "slab_chunk_bytes_in_use",
-            "Slab chunk bytes holding queued mutations",
-            slab.chunk_bytes_in_use,
+        yield build_info("indexer")
+        # Counters: totals since the daemon started.
+        yield counter(
+            "indexer_mutations_received_total", "Mutations received from routers", reader.mutations
         )
-        yield gauge("slab_total_bytes", "Slab pool size", slab.total_bytes)
-        yield gauge("throttle_paused", "1 while reads are paused for memory", int(throttle.paused))
-        yield gauge("throttle_pauses", "Times reads were paused for memory", throttle.pauses)
-        yield gauge("rss_bytes", "Process resident memory at the last sample", throttle.rss)
-        yield gauge("mutations_received", "Mutations received from routers", reader.mutations)
-        yield gauge("mutations_flushed", "Mutations written to the store", tk.mutations_flushed)
-        yield gauge("router_connections", "Open router connections", reader.connections)
-        yield gauge(
-            "protocol_errors", "Connections refused for protocol errors", reader.protocol_errors
+        yield counter(
+            "indexer_mutations_flushed_total",
+            "Mutations written to the store",
+            tk.mutations_flushed,
         )
-        yield gauge(
-            "stable_seqno_sum", "Seqno sum of the latest readable snapshot", snaps.stable_total
+        yield counter(
+            "indexer_protocol_errors_total",
+            "Connections refused for protocol errors",
+            reader.protocol_errors,
         )
-        yield gauge(
-            "persisted_seqno_sum", "Seqno sum of the persisted snapshot", snaps.persisted_total
+        yield counter(
+            "indexer_throttle_pauses_total", "Times reads were paused for memory", throttle.pauses
         )
-        yield gauge("snapshot_pins", "Pinned snapshots", snaps.pins)
-        queued = GaugeMetricFamily(
-            "indexer_queued_mutations", "Mutations queued", labels=["worker"]
+        yield counter(
+            "indexer_store_write_errors_total",
+            "Failed store writes (a full disk), each retried",
+            sum(q.write_errors for q in queues),
         )
-        for w in v.workers:
-            queued.add_metric([str(w.number)], w.statistics().queued)
-        yield queued
-        entries = GaugeMetricFamily("indexer_index_entries", "Entries per index", labels=["index"])
+        yield counter(
+            "indexer_persist_errors_total",
+            "Failed persists of a snapshot (a full disk), each retried",
+            tk.persist_errors,
+        )
+        refused = CounterMetricFamily(
+            "indexer_http_refused_total", "HTTP requests refused, by reason", labels=["reason"]
+        )
+        for reason, n in api.refused.items():
+            refused.add_metric([reason], n)
+        yield refused
+        # Per index: reads answered, rows, latency; entries, bytes on disk, build progress.
+        names = [i.definition.name for i in api._all_indexes()]
+        reads = [(name, api.reads.get(name) or IndexReads()) for name in names]
+        scans = CounterMetricFamily(
+            "indexer_scans_total", "Scan and count requests answered", labels=["index"]
+        )
+        rows = CounterMetricFamily(
+            "indexer_scan_rows_total", "Rows returned by scans", labels=["index"]
+        )
+        for name, r in reads:
+            scans.add_metric([name], r.scans)
+            rows.add_metric([name], r.rows)
+        yield scans
+        yield rows
+        yield histogram_family(
+            "indexer_scan_duration_seconds",
+            "Latency of scan and count requests, from the index's lookup to the last byte",
+            [([name], r.latency) for name, r in reads],
+            ["index"],
+        )
+        yield histogram_family(
+            "indexer_flush_duration_seconds",
+            "Time a flush of every worker's queue to the store took",
+            [((), v.timekeeper.flush_seconds)],
+            (),
+        )
+        yield histogram_family(
+            "indexer_persist_lag_seconds",
+            "Age of a readable snapshot when it was persisted",
+            [((), v.timekeeper.persist_lag_seconds)],
+            (),
+        )
+        entries = GaugeMetricFamily(
+            "indexer_index_entries", "Entries per active index", labels=["index"]
+        )
         for j, index in enumerate(v.indexes):
             entries.add_metric([index.definition.name], tk.entry_counts[j])
         yield entries
+        on_disk = GaugeMetricFamily(
+            "indexer_index_bytes_on_disk",
+            "LevelDB's estimate of an index's bytes in its table files",
+            labels=["index"],
+        )
+        for name in names:
+            on_disk.add_metric([name], api.bytes_on_disk.get(name, 0))
+        yield on_disk
+        progress = GaugeMetricFamily(
+            "indexer_build_progress_ratio",
+            "How much of an index's initial build is done, 0 to 1",
+            labels=["index"],
+        )
+        for build in api._builds():
+            progress.add_metric([build.name], build.status().percent / 100)
+        yield progress
+        # Gauges: levels now.
+        yield gauge("indexer_persist_failing", "1 while persists fail", int(tk.persist_failing))
+        errors = [q.write_error for q in queues if q.write_failing] + [tk.persist_error]
+        yield gauge(
+            "indexer_disk_full",
+            "1 while a store write or a persist fails for lack of space",
+            int(any(NO_SPACE in (e or "") for e in errors)),
+        )
+        yield gauge(
+            "indexer_scans_in_flight",
+            "Scan, count and split requests being served",
+            api.scans_in_flight,
+        )
+        yield gauge(
+            "indexer_slab_chunk_bytes_in_use",
+            "Slab chunk bytes holding queued mutations",
+            slab.chunk_bytes_in_use,
+        )
+        yield gauge("indexer_slab_total_bytes", "Slab pool size", slab.total_bytes)
+        yield gauge(
+            "indexer_throttle_paused", "1 while reads are paused for memory", int(throttle.paused)
+        )
+        yield gauge("indexer_rss_bytes", "Process resident memory at the last sample", throttle.rss)
+        yield gauge("indexer_router_connections", "Open router connections", reader.connections)
+        yield gauge(
+            "indexer_stable_seqno_sum",
+            "Seqno sum of the latest readable snapshot",
+            snaps.stable_total,
+        )
+        yield gauge(
+            "indexer_persisted_seqno_sum",
+            "Seqno sum of the persisted snapshot",
+            snaps.persisted_total,
+        )
+        yield gauge("indexer_snapshot_pins", "Pinned snapshots", snaps.pins)
+        queued = GaugeMetricFamily(
+            "indexer_queued_mutations", "Mutations queued", labels=["worker"]
+        )
+        for q in queues:
+            queued.add_metric([str(q.worker)], q.queued)
+        yield queued
         if v.collector is not None:
-            gc_stats = v.collector.statistics()
-            longest = GaugeMetricFamily(
-                "indexer_gc_pause_longest_seconds",
-                "Longest pause of the cycle collector, per generation",
-                labels=["generation"],
-            )
-            for generation, pause in enumerate(gc_stats.pause_s_longest):
-                longest.add_metric([str(generation)], pause)
-            yield longest
+            yield from collector_metrics("indexer", v.collector)
 
 
 class _Chunks(io.RawIOBase):
@@ -736,6 +987,22 @@ class _Chunks(io.RawIOBase):
         out = b"".join(self._parts)
         self._parts.clear()
         return out
+
+
+class _RowCount:
+    """Entry batches passed through, counting their rows (in the scan's worker thread)."""
+
+    def __init__(self, batches: Iterator[EntryBatch]) -> None:
+        self.batches = batches
+        self.rows = 0
+
+    def __iter__(self) -> _RowCount:
+        return self
+
+    def __next__(self) -> EntryBatch:
+        batch = next(self.batches)
+        self.rows += len(batch)
+        return batch
 
 
 def _ndjson_chunk(batches: Iterator[EntryBatch]) -> bytes | None:
@@ -771,9 +1038,35 @@ def _arrow_chunk(batches: Iterator[EntryBatch], writer: Any, schema: pa.Schema) 
     return True
 
 
-def _only(method: str, allowed: str) -> None:
-    if method != allowed:
-        raise ApiError(405, f"{method} not allowed here; use {allowed}", {"allow": allowed})
+def _only(method: str, *allowed: str) -> None:
+    if method not in allowed:
+        methods = ", ".join(allowed)
+        raise ApiError(405, f"{method} not allowed here; use {methods}", {"allow": methods})
+
+
+def _query(raw: bytes) -> dict[str, str]:
+    """The query string's parameters (blank ones too); one given twice is a 400."""
+    query: dict[str, str] = {}
+    for name, value in parse_qsl(raw.decode(errors="replace"), keep_blank_values=True):
+        if name in query:
+            raise ApiError(400, f"{name}: given more than once")
+        query[name] = value
+    return query
+
+
+def _params(query: dict[str, str], allowed: tuple[str, ...], route: str) -> None:
+    """400 naming the parameters `route` does not take, rather than ignoring them."""
+    unknown = sorted(set(query) - set(allowed))
+    if unknown:
+        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+        names = ", ".join(repr(name) for name in unknown)
+        plural = "s" if len(unknown) > 1 else ""
+        raise ApiError(400, f"unknown query parameter{plural} {names} for {route}: {takes}")
+
+
+def _plain(number: float) -> str:
+    """A bound as a person writes it: whole numbers in full, not as 4.61169e+18."""
+    return str(int(number)) if float(number).is_integer() else f"{number:g}"
 
 
 def _number(value: Any, name: str, low: float, high: float) -> float:
@@ -782,7 +1075,7 @@ def _number(value: Any, name: str, low: float, high: float) -> float:
     except (TypeError, ValueError):
         raise ApiError(400, f"{name}: a number, not {value!r}") from None
     if math.isnan(number) or not low <= number <= high:
-        raise ApiError(400, f"{name}: from {low:g} to {high:g}, not {value!r}")
+        raise ApiError(400, f"{name}: from {_plain(low)} to {_plain(high)}, not {value!r}")
     return number
 
 
@@ -832,6 +1125,17 @@ async def _body_json(receive: Receive) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ApiError(400, "the body must be a JSON object")
     return value
+
+
+def _headers_only(send: Send) -> Send:
+    """The `send` of a HEAD request: the status and headers GET would give, no body."""
+
+    async def send_head(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return send_head
 
 
 async def _start(send: Send, status: int, content_type: str, extra: dict[str, str]) -> None:

@@ -394,6 +394,17 @@ class IndexStore:
         value = self.db.get_property(b"leveldb.num-files-at-level0")
         return int(value) if value is not None else 0
 
+    def approximate_bytes(self, indexes: Sequence[StoredIndex]) -> list[int]:
+        """Per index, LevelDB's estimate of the bytes its main and back entries take in the
+        table files (blocking, but cheap: it reads table indexes, not entries). What is only in
+        the write-ahead log and the memtable yet, a few MiB at most, is not counted."""
+        ranges = []
+        for index in indexes:
+            for prefix in (index.main_prefix, index.back_prefix):
+                ranges.append((prefix, _after_prefix(prefix)))
+        sizes = self.db.approximate_sizes(*ranges) if ranges else []
+        return [int(sizes[2 * j] + sizes[2 * j + 1]) for j in range(len(indexes))]
+
     def snapshot(self) -> Any:
         return self.db.snapshot()
 
@@ -415,3 +426,12 @@ class IndexStore:
         source = snapshot if snapshot is not None else self.db
         for key in source.iterator(prefix=prefix, include_value=False):
             yield key[cut:]
+
+
+def _after_prefix(prefix: bytes) -> bytes:
+    """The first key after every key that starts with `prefix` (a prefix of 0xff bytes only
+    has none: the end of the key space stands in for it)."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\xff" * (len(prefix) + 1)
+    return stripped[:-1] + bytes([stripped[-1] + 1])

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from indexer.metrics import FLUSH_BUCKETS_S, PERSIST_LAG_BUCKETS_S, Histogram
 from indexer.recovery import FailoverLog, RecoveryPoints
 from indexer.snapshots import (
     PersistedState,
@@ -110,6 +111,7 @@ class TimekeeperStatistics:
     entry_counts: tuple[int, ...]
     persist_errors: int = 0  # failed persists (a full disk), each tried again at the next cut
     persist_failing: bool = False  # the last persist failed: acknowledgements wait
+    persist_error: str | None = None  # why, while it fails
 
 
 class Timekeeper:
@@ -154,7 +156,12 @@ class Timekeeper:
         self.indexes = indexes  # the live list, in the order of entry_counts
         self._persist_failures = 0  # in a row
         self._persist_errors = 0
+        self._persist_error: str | None = None
         self._persist_failure_logged = 0.0
+        # For /metrics: how long each flush of every worker took, and how old a readable
+        # snapshot was when it was persisted (what a crash then would lose, at most).
+        self.flush_seconds = Histogram(FLUSH_BUCKETS_S)
+        self.persist_lag_seconds = Histogram(PERSIST_LAG_BUCKETS_S)
 
     def stop(self) -> None:
         """Ask `run` to flush what is stable, persist it and return."""
@@ -261,6 +268,7 @@ class Timekeeper:
     async def _flush_workers(self, upto: Sequence[int]) -> None:
         self._store_high = [max(a, b) for a, b in zip(self._store_high, upto, strict=True)]
         results = []
+        started = time.perf_counter()
 
         async def flush_one(worker: Worker) -> None:
             result = await worker.flush(upto)
@@ -270,6 +278,8 @@ class Timekeeper:
         async with trio.open_nursery() as nursery:
             for worker in self.workers:
                 nursery.start_soon(flush_one, worker)
+        if results:  # a flush that wrote something
+            self.flush_seconds.observe(time.perf_counter() - started)
         for r in results:
             self._mutations += r.mutations
             self._puts += r.puts
@@ -309,11 +319,13 @@ class Timekeeper:
                 recovery.points.advance(point.point)
                 lag = time.time() - stable.created_at
                 self.snapshots.record_persisted(stable, lag)
+                self.persist_lag_seconds.observe(lag)
             finally:
                 stable.release()
         if self._persist_failures:
             log.warning("snapshots persist again after %d failures", self._persist_failures)
             self._persist_failures = 0
+            self._persist_error = None
         stale = recovery.points.take_below(new_state.points[-1].point)
         if stale:
             try:
@@ -332,6 +344,7 @@ class Timekeeper:
         """Log a failed persist: the first of a run, then every PERSIST_FAILURE_LOG_S."""
         self._persist_failures += 1
         self._persist_errors += 1
+        self._persist_error = describe(exc)
         now = time.monotonic()
         since = now - self._persist_failure_logged
         if self._persist_failures == 1 or since >= PERSIST_FAILURE_LOG_S:
@@ -374,4 +387,5 @@ class Timekeeper:
             entry_counts=tuple(self.entry_counts),
             persist_errors=self._persist_errors,
             persist_failing=self._persist_failures > 0,
+            persist_error=self._persist_error,
         )

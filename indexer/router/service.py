@@ -2,8 +2,8 @@
 Manager, and one task per indexer node streams to it.
 
 The inputs are a JSONL file (read to its end, or followed like `tail -f`) and a small HTTP API
-(`PUT /docs/ID`, `DELETE /docs/ID`, `POST /failover/VB`, `GET /stats`). Every document is
-appended to the `SourceLog`, which gives it its vbucket and seqno, then written to the
+(`PUT /docs/ID`, `DELETE /docs/ID`, `POST /failover/VB`, `GET /stats`, `GET /metrics`). Every
+document is appended to the `SourceLog`, which gives it its vbucket and seqno, then written to the
 `MutationManager`, and the write wakes the node tasks. A node task holds one connection
 (`node_stream.follow_memory`: memory while the node keeps up, the log when it is behind) and
 reconnects with backoff when the indexer is down, restarts or asks to handshake again, resuming
@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
 from indexer import protocol as p
 from indexer.collector import CollectorPauses, rare_collections
+from indexer.metrics import process_started_at, version
 from indexer.router.documents import (
     Document,
     DocumentError,
@@ -37,6 +39,7 @@ from indexer.router.documents import (
 )
 from indexer.router.expiry import with_absolute_expiry
 from indexer.router.feed import RECONNECT_CODES, FeedError, FeedSecurity
+from indexer.router.metrics import RouterCollector
 from indexer.router.mutations import MutationManager
 from indexer.router.node_stream import (
     MaintenanceFirst,
@@ -453,7 +456,8 @@ async def _keep_streaming(
 
 
 class DocsApi:
-    """The ASGI app of the router: PUT and DELETE /docs/ID, POST /failover/VB, GET /stats.
+    """The ASGI app of the router: PUT and DELETE /docs/ID, POST /failover/VB, GET /stats and
+    GET /metrics (Prometheus text format, indexer/router/metrics.py).
 
     With a `token` (the router's --token, the one its nodes require), every call but GETs needs
     `Authorization: Bearer TOKEN`: otherwise 401 and nothing changes.
@@ -471,6 +475,12 @@ class DocsApi:
         self.token = token
         self.collector = collector
         self.refused = 0
+        self.started_at = process_started_at()
+        self.version = version()
+        # The app's own registry: two apps in one process (the tests) never share metrics.
+        self.metrics = CollectorRegistry()
+        self.metrics.register(RouterCollector(self))
+        ProcessCollector(registry=self.metrics)
 
     async def __call__(
         self,
@@ -487,6 +497,9 @@ class DocsApi:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics" and scope["method"] == "GET":
+            await send_metrics(send, generate_latest(self.metrics))
             return
         headers = [(b"content-type", b"application/json")]
         if self._authorized(scope):
@@ -522,6 +535,8 @@ class DocsApi:
             if method != "GET":
                 return 405, {"error": f"{method} is not allowed here: GET"}
             return 200, self.stats()
+        if path == "/metrics":  # a GET is answered before this
+            return 405, {"error": f"{method} is not allowed here: GET"}
         if path.startswith("/failover/"):
             if method != "POST":
                 return 405, {"error": f"{method} is not allowed here: POST"}
@@ -529,7 +544,7 @@ class DocsApi:
         if not path.startswith("/docs/"):
             return 404, {
                 "error": "not found: the routes are PUT and DELETE /docs/ID, "
-                "POST /failover/VB and GET /stats"
+                "POST /failover/VB, GET /stats and GET /metrics"
             }
         docid = path[len("/docs/") :]
         if method not in ("PUT", "DELETE"):
@@ -588,9 +603,12 @@ class DocsApi:
         return 200, {"vbucket": int(vbucket_text), "vbuuid": vbuuid, "seqno": at}
 
     def stats(self) -> dict[str, Any]:
-        """The Mutation Manager's sizes and counters, and each node's connection."""
+        """The version and uptime, the Mutation Manager's sizes and counters, and each node's
+        connection."""
         source = self.appender.source
         return {
+            "version": self.version,
+            "uptime_s": round(time.time() - self.started_at, 3),
             "mutation_manager": dataclasses.asdict(self.appender.mm.stats()),
             "nodes": {
                 name: dataclasses.asdict(progress) for name, progress in self.nodes.progress.items()
@@ -611,6 +629,13 @@ class DocsApi:
                 ),
             },
         }
+
+
+async def send_metrics(send: Callable[[dict[str, Any]], Awaitable[None]], body: bytes) -> None:
+    """Answer 200 with a Prometheus text exposition."""
+    headers = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def read_body(
@@ -742,7 +767,8 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                     serve_http, options.http, appender, nodes, options.security.token, collector
                 )
                 log.info(
-                    "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats)",
+                    "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats, "
+                    "GET /metrics)",
                     url,
                 )
             nursery.start_soon(expire_documents, appender)

@@ -112,7 +112,7 @@ def test_scans_over_max_concurrent_scans_get_429(daemon_factory: Any, tmp_path: 
     holder.start()
     try:
         deadline = time.monotonic() + 10
-        while stats(daemon)["scan_requests"] != 1:
+        while stats(daemon)["scans_in_flight"] != 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         for path in ("scan", "count", "splits"):
