@@ -16,6 +16,7 @@ a node's `HOST:PORT`, or `HOST:PORT/build:NAME` for a build stream, as in `/stat
     indexer_router_gc_collections_total{generation}     cycle collections
     indexer_router_node_connected{node}                 1 while connected
     indexer_router_node_backfilling_vbuckets{node}      vbuckets it reads from the log now
+    indexer_router_node_stopped{node}                   1 once refused for good (another source)
     indexer_router_memory_bytes, indexer_router_memory_capacity_bytes, indexer_router_items,
     indexer_router_snapshots, indexer_router_cursors    the Mutation Manager now
     indexer_router_expiry_pending                       documents with an expiry to come
@@ -98,11 +99,18 @@ class RouterCollector:
             "Vbuckets the node's stream reads from the source log now",
             labels=["node"],
         )
+        stopped = GaugeMetricFamily(
+            f"{PREFIX}_node_stopped",
+            "1 once the node refused this router for good (another source): see last_error",
+            labels=["node"],
+        )
         for node, progress in nodes:
             connected.add_metric([node], int(progress.connected))
             backfilling.add_metric([node], progress.backfilling)
+            stopped.add_metric([node], int(progress.stopped))
         yield connected
         yield backfilling
+        yield stopped
         yield gauge(f"{PREFIX}_memory_bytes", "Mutation Manager memory in use", mm.memory)
         yield gauge(f"{PREFIX}_memory_capacity_bytes", "Mutation Manager memory cap", mm.capacity)
         yield gauge(f"{PREFIX}_items", "Items the Mutation Manager holds", mm.items)

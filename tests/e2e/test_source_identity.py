@@ -48,6 +48,8 @@ def test_a_router_of_another_source_is_refused_and_nothing_is_rolled_back(
     assert f"indexes the history of source log {source}" in line and "--adopt-source" in line
     node = httpx.get(f"{url}/stats", timeout=30).json()["nodes"][daemon.address]
     assert node["stopped"] is True and source in node["last_error"]
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert f'indexer_router_node_stopped{{node="{daemon.address}"}} 1.0' in metrics
     time.sleep(6)  # longer than the longest backoff: no retry loop
     assert router.log().count(daemon.address) <= 3, router.log()
     assert len(re.findall(r"stopped streaming", router.log())) == 1
