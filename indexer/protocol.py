@@ -644,6 +644,12 @@ def decode_payload(mtype: int, payload: bytes) -> Message:
     raise ProtocolError(ErrorCode.PROTOCOL, f"unknown frame type {mtype}")
 
 
+# A handshake lists every vbucket with its failover log (up to 25 entries each): a node whose
+# frames are small (server.max_frame_bytes) must still take the handshakes of routers.
+MAX_HANDSHAKE_BYTES = 2 << 20
+_HANDSHAKES = frozenset({MessageType.HANDSHAKE, MessageType.HANDSHAKE_REPLY})
+
+
 @dataclass
 class FrameDecoder:
     """Collects received bytes and yields whole messages, h11-style.
@@ -652,7 +658,8 @@ class FrameDecoder:
     after some good frames is raised on the following call, so the good frames before it are
     still delivered and nothing of the bad frame is. A frame whose header declares more than
     `max_frame_bytes` is refused from its 6-byte header alone: its payload is never collected,
-    and once an error is found nothing more is buffered.
+    and once an error is found nothing more is buffered. Handshakes may take up to
+    `MAX_HANDSHAKE_BYTES` whatever `max_frame_bytes` is.
     """
 
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -677,10 +684,13 @@ class FrameDecoder:
         try:
             while end - pos >= _HEADER.size:
                 length, version, mtype = _HEADER.unpack_from(buf, pos)
-                if length > self.max_frame_bytes:
+                limit = self.max_frame_bytes
+                if mtype in _HANDSHAKES and limit < MAX_HANDSHAKE_BYTES:
+                    limit = MAX_HANDSHAKE_BYTES
+                if length > limit:
                     raise ProtocolError(
                         ErrorCode.FRAME_TOO_LARGE,
-                        f"frame of {length} bytes exceeds the maximum of {self.max_frame_bytes}",
+                        f"frame of {length} bytes exceeds the maximum of {limit}",
                     )
                 if length < 2:
                     raise ProtocolError(ErrorCode.PROTOCOL, f"frame length {length} is too short")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from indexer import protocol as p
@@ -498,8 +498,11 @@ def test_the_default_decoder_has_a_frame_limit() -> None:
 def test_a_length_over_the_limit_is_refused_from_the_six_byte_header(
     limit_and_length: tuple[int, int], version: int, mtype: int
 ) -> None:
-    """Any length over the limit is refused once the header is whole, before any payload."""
+    """Any length over the limit is refused once the header is whole, before any payload (a
+    handshake's limit is at least MAX_HANDSHAKE_BYTES)."""
     limit, length = limit_and_length
+    handshake = mtype in (MessageType.HANDSHAKE, MessageType.HANDSHAKE_REPLY)
+    assume(length > (max(limit, p.MAX_HANDSHAKE_BYTES) if handshake else limit))
     decoder = FrameDecoder(limit)
     decoder.feed(HEADER.pack(length, version, mtype)[:5])
     assert decoder.messages() == []  # five bytes: not yet a header
@@ -507,6 +510,16 @@ def test_a_length_over_the_limit_is_refused_from_the_six_byte_header(
     with pytest.raises(ProtocolError) as info:
         decoder.messages()
     assert info.value.code is ErrorCode.FRAME_TOO_LARGE  # checked before length < 2 and version
+
+
+def test_a_handshake_over_a_small_frame_limit_is_taken() -> None:
+    """A node with small frames still takes a router's handshake of every vbucket."""
+    handshake = p.Handshake("r", 1024, tuple(range(1024)), source="ab" * 16)
+    data = p.encode(handshake)
+    assert len(data) > 4096
+    decoder = FrameDecoder(4096)
+    decoder.feed(data)
+    assert decoder.messages() == [handshake]
 
 
 @SOME
