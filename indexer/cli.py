@@ -157,6 +157,7 @@ def serve(
     node: str | None,
 ) -> None:
     """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0)."""
+    from indexer.daemon import StartError
     from indexer.daemon import serve as run_daemon
     from indexer.storage import StoreError
 
@@ -194,12 +195,32 @@ def serve(
     )
     try:
         trio.run(run_daemon, config)
-    except StoreError as exc:
-        fail(str(exc))
-    except OSError as exc:
-        fail(f"cannot listen on {config.server.host}:{config.server.feed_port}: {exc.strerror}")
+    except (StartError, StoreError, OSError, BaseExceptionGroup) as exc:
+        fail(_serve_error(exc, (StartError, StoreError)))
     except KeyboardInterrupt:
         fail("interrupted during start-up", 130)
+
+
+def _serve_error(error: BaseException, known: tuple[type[Exception], ...]) -> str:
+    """The line that says why the daemon stopped: trio wraps the error of a task in exception
+    groups, one per nursery it leaves. An error of no `known` kind nor an OSError (a bug) is
+    raised again, with its traceback."""
+    leaves: list[BaseException] = []
+    pending = [error]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    for kind in (*known, OSError):
+        for leaf in leaves:
+            if isinstance(leaf, kind):
+                if isinstance(leaf, OSError) and not isinstance(leaf, known):
+                    where = f": {leaf.filename}" if leaf.filename else ""
+                    return f"{leaf.strerror or leaf}{where}"
+                return str(leaf)
+    raise error
 
 
 def _address(value: str, allow_zero: bool = False) -> tuple[str, int]:

@@ -44,6 +44,11 @@ from workers.worker import StreamItem, Worker
 log = logging.getLogger("indexer.daemon")
 
 
+class StartError(Exception):
+    """The daemon cannot start, for a reason the message names: a port it cannot listen on, a
+    data directory it cannot create. The command line prints it as one line."""
+
+
 @dataclass(frozen=True)
 class Listening:
     """Where the daemon accepts router feeds and HTTP requests, once it is ready."""
@@ -78,7 +83,12 @@ def recover(config: Config) -> PersistedState:
 async def serve(config: Config, ready: Callable[[Listening], None] | None = None) -> None:
     """Run the daemon until SIGINT or SIGTERM, then drain and persist."""
     server = config.server
-    server.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        server.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartError(
+            f"cannot create the data directory {server.data_dir}: {exc.strerror or exc}"
+        ) from None
     nice = config.compaction.thread_nice
     with (
         IndexStore(server.data_dir, compaction_nice=nice) as store,
@@ -272,9 +282,23 @@ async def _serve_http(
         await hypercorn_serve(api, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
 
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(started)
+        try:
+            binds = await nursery.start(started)
+        except* OSError as group:
+            raise _listen_error(server.host, server.http_port, "http", group) from None
         port = int(binds[0].rsplit(":", 1)[1]) if binds else server.http_port
         task_status.started(port)
+
+
+def _listen_error(
+    host: str, port: int, purpose: str, group: BaseExceptionGroup[OSError]
+) -> StartError:
+    """The start error of a port that cannot be bound: which one, for what, and why."""
+    cause: BaseException = group
+    while isinstance(cause, BaseExceptionGroup):
+        cause = cause.exceptions[0]
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+    return StartError(f"cannot listen on {host}:{port} ({purpose}): {reason}")
 
 
 def _log_security(config: Config) -> None:
@@ -315,27 +339,33 @@ async def _intake(
     ssl_context = config.security.server_ssl_context()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            if ssl_context is None:
-                listeners = await nursery.start(
-                    lambda task_status: trio.serve_tcp(
-                        reader.handle, server.feed_port, host=server.host, task_status=task_status
+            try:
+                if ssl_context is None:
+                    listeners = await nursery.start(
+                        lambda task_status: trio.serve_tcp(
+                            reader.handle,
+                            server.feed_port,
+                            host=server.host,
+                            task_status=task_status,
+                        )
                     )
-                )
-                port = listeners[0].socket.getsockname()[1]
-            else:
-                # Every connection is a trio.SSLStream; its TLS handshake is made on the first
-                # read, within limits.handshake_timeout_ms like the HANDSHAKE frame.
-                tls_listeners = await nursery.start(
-                    lambda task_status: trio.serve_ssl_over_tcp(
-                        reader.handle,
-                        server.feed_port,
-                        ssl_context,
-                        host=server.host,
-                        https_compatible=True,
-                        task_status=task_status,
+                    port = listeners[0].socket.getsockname()[1]
+                else:
+                    # Every connection is a trio.SSLStream; its TLS handshake is made on the
+                    # first read, within limits.handshake_timeout_ms like the HANDSHAKE frame.
+                    tls_listeners = await nursery.start(
+                        lambda task_status: trio.serve_ssl_over_tcp(
+                            reader.handle,
+                            server.feed_port,
+                            ssl_context,
+                            host=server.host,
+                            https_compatible=True,
+                            task_status=task_status,
+                        )
                     )
-                )
-                port = tls_listeners[0].transport_listener.socket.getsockname()[1]
+                    port = tls_listeners[0].transport_listener.socket.getsockname()[1]
+            except* OSError as group:
+                raise _listen_error(server.host, server.feed_port, "feed", group) from None
             view.ready = True
             scheme = "https" if ssl_context is not None else "http"
             log.info("HTTP API on %s://%s:%d", scheme, server.host, http_port)
