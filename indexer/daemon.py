@@ -241,6 +241,8 @@ async def serve(config: Config, ready: Callable[[Listening], None] | None = None
                         pipeline.start_soon(dispatch, from_readers, [s for s, _ in channels])
                         async with to_dispatch:
                             await _intake(config, reader, view, http_port, ready)
+                        # Build streams ended with intake: a merge must not wait for them.
+                        catalog.stop_merging()
                     log.info("intake stopped, queues drained; flushing and persisting")
                     timekeeper.stop()
                 services.cancel_scope.cancel()

@@ -1,17 +1,25 @@
 """The command line as an operator meets it, with real processes: start-up errors in one
-line."""
+line, a prompt stop during an index build."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
+import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
-from tests.e2e.conftest import free_port, indexer_command
+from indexer import protocol as p
+from tests.e2e.conftest import WAIT_S, Daemon, free_port, indexer_command
+from tests.e2e.feed_client import NUM_VBUCKETS, FeedClient, History
+from tests.e2e.stream_client import FAST_PERSIST
 
 pytestmark = pytest.mark.e2e
 
@@ -68,3 +76,78 @@ def test_serve_names_the_data_directory_it_cannot_create(tmp_path: Path) -> None
         f"indexer: error: cannot create the data directory {data}: No such file or directory"
     ), started.stderr
     assert "cannot listen" not in started.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# A stop while a build waits to merge
+
+
+class BuildClient(FeedClient):
+    """A router's build stream of one index, frame by frame (see FeedClient)."""
+
+    def __init__(self, daemon: Daemon, index: str, vbuckets: list[int]) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=60)
+        self.vbuckets = vbuckets
+        self.decoder = p.FrameDecoder(1 << 26)
+        self.queue: deque[p.Message] = deque()
+        self.sent = self.credited = 0
+        handshake = p.Handshake("test-build", NUM_VBUCKETS, tuple(vbuckets), {}, True, index)
+        self.sock.sendall(p.encode(handshake))
+        reply = self.next()
+        assert isinstance(reply, p.HandshakeReply), reply
+        assert [d.name for d in reply.indexes] == [index]
+        self.paths = [d.keys for d in reply.indexes]
+        self.window = reply.flow_control_bytes
+
+
+def index_state(daemon: Daemon, name: str) -> str:
+    answer = httpx.get(f"{daemon.url}/indexes", timeout=10)
+    assert answer.status_code == 200, answer.text
+    state: str = {i["name"]: i for i in answer.json()["indexes"]}[name]["state"]
+    return state
+
+
+def test_sigterm_while_a_build_waits_to_merge_stops_at_once(daemon_factory: Any) -> None:
+    """The build has caught up within the slack, so its merge stops maintenance's flushes and
+    waits for the build to reach them; the build stream sends nothing more. SIGTERM ends the
+    build stream with intake: the daemon must not wait out the merge's timeout (30 s)."""
+    daemon = daemon_factory(**FAST_PERSIST).start()
+    vb = 5
+    history = History([vb], seed=7)
+    history.write(vb, 3_000)
+    maintenance = FeedClient(daemon, [vb])
+    maintenance.resume(history)  # persisted up to seqno 3,000
+    created = httpx.post(
+        f"{daemon.url}/indexes", json={"name": "by_age_again", "keys": ["age"]}, timeout=30
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["state"] == "building"
+    maintenance.close()  # asked to handshake again: it stays away
+    build = BuildClient(daemon, "by_age_again", [vb])
+    build.send(build.begin(vb))
+    for frame in build.snapshot(history, vb, 1, 1_500):  # within the catch-up slack, not all
+        build.send(frame)
+    deadline = time.monotonic() + WAIT_S
+    while index_state(daemon, "by_age_again") != "catchup":
+        assert time.monotonic() < deadline, daemon.log()
+        time.sleep(0.05)
+    time.sleep(1.0)  # the merge now waits for seqno 3,000, which never comes
+    assert daemon.proc is not None
+    stopping = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    try:
+        code = daemon.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the daemon did not stop within 10 s of SIGTERM:\n{daemon.log()[-2000:]}")
+    took = time.monotonic() - stopping
+    daemon.proc = None
+    build.close()
+    assert code == 0, daemon.log()
+    assert took < 10
+    log = daemon.log()
+    assert "index by_age_again not merged: the daemon is stopping" in log
+    assert "stopped cleanly" in log
+    # The build resumes at the next start.
+    daemon.start()
+    assert index_state(daemon, "by_age_again") == "building"
+    assert daemon.stop() == 0
