@@ -21,6 +21,7 @@ import click
 import trio
 
 from indexer.config import (
+    LOG_LEVELS,
     TOKEN_ENV,
     Config,
     ConfigError,
@@ -31,6 +32,7 @@ from indexer.config import (
     load_config,
     read_token_file,
 )
+from indexer.logs import LOG_FORMATS
 
 if TYPE_CHECKING:
     from indexer.router.feed import FeedSecurity
@@ -131,6 +133,25 @@ TLS_OPTION = click.option(
 )
 
 
+def log_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add --log-level and --log-format (the long-running commands' log on stderr)."""
+    level = click.option(
+        "--log-level",
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        help="Log records of this level and above (default: server.log_level for serve, info "
+        "for router).",
+    )
+    form = click.option(
+        "--log-format",
+        type=click.Choice(LOG_FORMATS),
+        default="text",
+        show_default=True,
+        help="text: one line per record; json: one JSON object per line (time, level, logger, "
+        "message).",
+    )
+    return level(form(command))
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="indexer")
 def main() -> None:
@@ -138,6 +159,7 @@ def main() -> None:
 
 
 @main.command()
+@log_options
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML file.")
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Overrides server.data_dir.")
 @click.option("--feed-port", type=click.IntRange(0, 65535), help="Overrides server.feed_port.")
@@ -149,6 +171,8 @@ def main() -> None:
 )
 @click.option("--node", help="This node's name in --cluster-map.")
 def serve(
+    log_level: str | None,
+    log_format: str,
     config_file: Path | None,
     data_dir: Path | None,
     feed_port: int | None,
@@ -159,6 +183,7 @@ def serve(
     """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0)."""
     from indexer.daemon import StartError
     from indexer.daemon import serve as run_daemon
+    from indexer.logs import configure as configure_logging
     from indexer.storage import StoreError
 
     slice_of: dict[str, Any] = {}
@@ -185,11 +210,7 @@ def serve(
     config = _config(config_file, data_dir=data_dir, feed_port=feed_port, http_port=http_port)
     if slice_of:
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, **slice_of))
-    logging.basicConfig(
-        level=config.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(log_level or config.server.log_level, log_format)
     logging.getLogger("indexer.daemon").info(
         "configuration: %s", config_file if config_file else "embedded default"
     )
@@ -519,6 +540,7 @@ def _feed_state(
 @TOKEN_FILE_OPTION
 @TLS_OPTION
 @TLS_CA_OPTION
+@log_options
 def router(
     state: Path,
     targets: tuple[str, ...],
@@ -537,9 +559,12 @@ def router(
     token_file: Path | None,
     tls: bool,
     tls_ca: Path | None,
+    log_level: str | None,
+    log_format: str,
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
     stream it to every --to node, then each new document as it comes."""
+    from indexer.logs import configure as configure_logging
     from indexer.router import SourceError, SourceLog, Workload
     from indexer.router.service import RouterOptions, run_router
     from indexer.storage import COMPACTION_NICE
@@ -573,11 +598,7 @@ def router(
             http = _address(http_address, allow_zero=True)  # port 0: any free port
         except click.BadParameter as exc:
             fail(f"--http: {exc.message}", 2)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(log_level or "info", log_format)
     options = RouterOptions(
         addresses,
         jsonl,

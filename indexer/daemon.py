@@ -16,8 +16,10 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
+from hypercorn.logging import Logger as HypercornLogger
 
 from indexer.catalog import IndexCatalog
 from indexer.collector import freeze_long_lived, rare_collections
@@ -283,6 +285,7 @@ async def _serve_http(
     async def started(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(api, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
 
+    hyper.logger_class = _HypercornLog
     async with trio.open_nursery() as nursery:
         try:
             binds = await nursery.start(started)
@@ -290,6 +293,16 @@ async def _serve_http(
             raise _listen_error(server.host, server.http_port, "http", group) from None
         port = int(binds[0].rsplit(":", 1)[1]) if binds else server.http_port
         task_status.started(port)
+
+
+class _HypercornLog(HypercornLogger):
+    """hypercorn's log of the daemon's HTTP server, less its "Running on ... (CTRL + C to quit)"
+    banner: the daemon logs where it serves itself, and stops on SIGINT or SIGTERM."""
+
+    async def info(self, message: str, *args: Any, **kwargs: Any) -> None:
+        if message.startswith("Running on ") and message.endswith("(CTRL + C to quit)"):
+            return
+        await super().info(message, *args, **kwargs)
 
 
 def _listen_error(

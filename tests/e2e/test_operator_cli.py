@@ -1,8 +1,9 @@
 """The command line as an operator meets it, with real processes: start-up errors in one
-line, a prompt stop during an index build."""
+line, a prompt stop during an index build, the log's level and formats."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -64,6 +65,10 @@ def test_serve_on_a_port_in_use_says_which_in_one_line(
     assert "Traceback" not in started.stderr and "ExceptionGroup" not in started.stderr
     assert started.stderr.splitlines()[-1] == want, started.stderr
     assert [line for line in started.stderr.splitlines() if str(held_port) in line] == [want]
+    # Logging warnings and above only, the error is all there is.
+    quiet = cli(*args, "--log-level", "warning")
+    assert quiet.returncode != 0
+    assert quiet.stderr.splitlines() == [want], quiet.stderr
 
 
 def test_serve_names_the_data_directory_it_cannot_create(tmp_path: Path) -> None:
@@ -151,3 +156,48 @@ def test_sigterm_while_a_build_waits_to_merge_stops_at_once(daemon_factory: Any)
     daemon.start()
     assert index_state(daemon, "by_age_again") == "building"
     assert daemon.stop() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Log formats
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """Every line of a log as a JSON object with the four fields."""
+    records = []
+    for line in text.splitlines():
+        record = json.loads(line)
+        assert isinstance(record, dict), line
+        assert {"time", "level", "logger", "message"} <= set(record), line
+        records.append(record)
+    return records
+
+
+def test_log_format_json_for_the_daemon_and_the_router(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory()
+    daemon.args = ["--log-format", "json", "--log-level", "debug"]
+    daemon.start()
+    router = routers(
+        "--state", str(tmp_path / "state"), "--to", daemon.address, "--generate", "2000",
+        "--log-format", "json",
+    )  # fmt: skip
+    router.wait_log(r"connected")
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(f"{daemon.url}/stats").json()["persisted"]["seqno_sum"] < 2000:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert router.stop() == 0
+    assert daemon.stop() == 0
+    records = json_lines(daemon.log())
+    assert any(
+        r["logger"] == "indexer.daemon" and r["message"].startswith("listening for router feeds")
+        for r in records
+    )
+    levels = {r["level"] for r in records}
+    assert "INFO" in levels and levels <= {"DEBUG", "INFO", "WARNING", "ERROR"}, levels
+    assert not any("CTRL + C" in r["message"] for r in records)
+    assert any(r["message"].startswith("stopped cleanly") for r in records)
+    routed = json_lines(router.log())
+    assert any(r["logger"].startswith("indexer.router") for r in routed)
