@@ -1,6 +1,9 @@
-"""The `indexer` command line: serve, feed, router, dump.
+"""The `indexer` command line: serve, feed, router, dump, and the HTTP API's clients (stats,
+list-indexes, scan, create-index, drop-index, compact).
 
 Every error ends the command with a non-zero exit and one line on stderr saying what is wrong.
+The same thing has the same placeholder in every command's help: FILE, DIR, HOST:PORT, URL,
+NAME, N, JSON, SECONDS.
 """
 
 from __future__ import annotations
@@ -113,15 +116,17 @@ TOKEN_HELP = (
     "The indexer's shared token (default: $INDEXER_TOKEN). On the command line it shows in the "
     "process list: prefer --token-file or the variable."
 )
-TOKEN_OPTION = click.option("--token", help=TOKEN_HELP)
+TOKEN_OPTION = click.option("--token", metavar="TOKEN", help=TOKEN_HELP)
 TOKEN_FILE_OPTION = click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
     help="A file holding the indexer's shared token (its first line).",
 )
 TLS_CA_OPTION = click.option(
     "--tls-ca",
     type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
     help="A PEM file of CA certificates to check the indexer's TLS certificate with (for a "
     "self-signed certificate, the certificate itself).",
 )
@@ -131,6 +136,13 @@ TLS_OPTION = click.option(
     help="Connect to the feed port with TLS, checking its certificate with the system's CAs "
     "(or --tls-ca, which implies --tls).",
 )
+
+
+# The types of the placeholders FILE, DIR and PORT.
+FILE = click.Path(dir_okay=False, path_type=Path)
+DIR = click.Path(file_okay=False, path_type=Path)
+PORT = click.IntRange(0, 65535)
+SERVE_CONFIG_HELP = "A TOML configuration overriding the embedded default's keys."
 
 
 def log_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -153,23 +165,31 @@ def log_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="indexer")
+@click.version_option(package_name="indexer", prog_name="indexer", message="%(prog)s %(version)s")
 def main() -> None:
-    """A secondary-index daemon fed by routers over TCP, persisting to LevelDB."""
+    """A secondary-index daemon fed by routers over TCP, persisting to LevelDB.
+
+    Examples:
+
+    \b
+      indexer serve --config my.toml
+      indexer router --state router --to 127.0.0.1:9105 --jsonl docs.jsonl --follow
+    """
 
 
 @main.command()
 @log_options
-@click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML file.")
-@click.option("--data-dir", type=click.Path(path_type=Path), help="Overrides server.data_dir.")
-@click.option("--feed-port", type=click.IntRange(0, 65535), help="Overrides server.feed_port.")
-@click.option("--http-port", type=click.IntRange(0, 65535), help="Overrides server.http_port.")
+@click.option("--config", "config_file", metavar="FILE", type=FILE, help=SERVE_CONFIG_HELP)
+@click.option("--data-dir", metavar="DIR", type=DIR, help="Overrides server.data_dir.")
+@click.option("--feed-port", metavar="PORT", type=PORT, help="Overrides server.feed_port.")
+@click.option("--http-port", metavar="PORT", type=PORT, help="Overrides server.http_port.")
 @click.option(
     "--cluster-map",
+    metavar="FILE",
     type=click.Path(dir_okay=False, path_type=Path),
     help="A cluster map (TOML): take this node's vbuckets and addresses from it (with --node).",
 )
-@click.option("--node", help="This node's name in --cluster-map.")
+@click.option("--node", metavar="NAME", help="This node's name in --cluster-map.")
 def serve(
     log_level: str | None,
     log_format: str,
@@ -180,7 +200,14 @@ def serve(
     cluster_map: Path | None,
     node: str | None,
 ) -> None:
-    """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0)."""
+    """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0).
+
+    Examples:
+
+    \b
+      indexer serve --config my.toml --data-dir /srv/idx --feed-port 9200
+      indexer serve --cluster-map cluster.toml --node a --log-format json
+    """
     from indexer.daemon import StartError
     from indexer.daemon import serve as run_daemon
     from indexer.logs import configure as configure_logging
@@ -253,18 +280,49 @@ def _address(value: str, allow_zero: bool = False) -> tuple[str, int]:
 
 APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteBatch each)
 
-
-@main.command()
-@click.option("--to", "address", help="The indexer's feed address, HOST:PORT.")
-@click.option(
+JSONL_OPTION = click.option(
     "--jsonl",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="FILE",
     help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.',
 )
-@click.option("--generate", type=click.IntRange(1), help="Generate this many mutations.")
-@click.option("--keys", type=click.IntRange(1), help="Key space of --generate (default N/5).")
-@click.option("--delete-ratio", type=click.FloatRange(0, 1), default=0.1, show_default=True)
-@click.option("--seed", type=int, default=42, show_default=True)
+GENERATE_OPTION = click.option(
+    "--generate",
+    type=click.IntRange(1),
+    metavar="N",
+    help="Generate N mutations: a seeded workload of documents and deletes.",
+)
+KEYS_OPTION = click.option(
+    "--keys",
+    type=click.IntRange(1),
+    metavar="N",
+    help="The document ids --generate draws from (default: a fifth of its N).",
+)
+DELETE_RATIO_OPTION = click.option(
+    "--delete-ratio",
+    type=click.FloatRange(0, 1),
+    metavar="RATIO",
+    default=0.1,
+    show_default=True,
+    help="The share of --generate's mutations that are deletes.",
+)
+SEED_OPTION = click.option(
+    "--seed",
+    type=int,
+    metavar="N",
+    default=42,
+    show_default=True,
+    help="The seed of --generate: the same seed gives the same mutations.",
+)
+
+
+@main.command()
+@click.option("--to", "address", metavar="HOST:PORT", help="The indexer's feed address.")
+@JSONL_OPTION
+@GENERATE_OPTION
+@KEYS_OPTION
+@DELETE_RATIO_OPTION
+@SEED_OPTION
 @click.option(
     "--wait",
     type=click.Choice(["persisted", "visible", "none"]),
@@ -276,11 +334,13 @@ APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteB
 @click.option(
     "--vbuckets",
     type=click.IntRange(1, 65536),
+    metavar="N",
     help="Vbuckets of the key space (default 1024, or the count the --state log was made with).",
 )
 @click.option(
     "--state",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=DIR,
+    metavar="DIR",
     help="Keep the source's history here: append the input, stream what the indexer lacks.",
 )
 @click.option(
@@ -292,7 +352,7 @@ APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteB
 @click.option(
     "--failover-seqno",
     type=int,
-    metavar="S",
+    metavar="SEQNO",
     help="Where --failover starts the new history (default: the high seqno, losing nothing).",
 )
 @TOKEN_OPTION
@@ -320,6 +380,12 @@ def feed(
 
     With --state DIR the router keeps its source on disk: --failover runs first, then the input
     (if any) is appended, then (with --to) the log is streamed from where the indexer stands.
+
+    Examples:
+
+    \b
+      indexer feed --to 127.0.0.1:9105 --jsonl docs.jsonl --wait visible
+      indexer feed --state router --jsonl docs.jsonl --to 127.0.0.1:9105
     """
     from indexer.router import Workload, read_jsonl
     from indexer.router import generate as generate_documents
@@ -499,39 +565,47 @@ def _feed_state(
 @click.option(
     "--state",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=DIR,
+    metavar="DIR",
     help="The router's source log (created if missing).",
 )
-@click.option("--to", "targets", multiple=True, help="An indexer node, HOST:PORT (repeat).")
+@click.option(
+    "--to", "targets", multiple=True, metavar="HOST:PORT", help="An indexer node (repeat)."
+)
 @click.option(
     "--cluster-map",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=FILE,
+    metavar="FILE",
     help="Stream to the nodes of this cluster map (re-read when it changes) instead of --to.",
 )
-@click.option(
-    "--jsonl",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.',
-)
+@JSONL_OPTION
 @click.option("--follow", is_flag=True, help="Keep reading lines appended to --jsonl (tail -f).")
-@click.option("--http", "http_address", help="Serve PUT/DELETE /docs/ID on HOST:PORT.")
+@click.option(
+    "--http",
+    "http_address",
+    metavar="HOST:PORT",
+    help="Serve PUT/DELETE /docs/ID, GET /stats and POST /failover/VB here (port 0: any).",
+)
 @click.option(
     "--vbuckets",
     type=click.IntRange(1, 65536),
+    metavar="N",
     help="Vbuckets of a new --state log (default 1024; an existing log keeps its count).",
 )
-@click.option("--generate", type=click.IntRange(1), help="Also append N generated mutations.")
-@click.option("--keys", type=click.IntRange(1), help="Key space of --generate (default N/5).")
-@click.option("--delete-ratio", type=click.FloatRange(0, 1), default=0.1, show_default=True)
-@click.option("--seed", type=int, default=42, show_default=True)
+@GENERATE_OPTION
+@KEYS_OPTION
+@DELETE_RATIO_OPTION
+@SEED_OPTION
 @click.option(
     "--rate",
     type=click.FloatRange(min=0, min_open=True),
-    help="Generate about this many mutations per second (default: as fast as appended).",
+    metavar="N",
+    help="Generate about N mutations per second (default: as fast as appended).",
 )
 @click.option(
     "--memory-mb",
     type=click.FloatRange(0.01, 1 << 20),
+    metavar="MB",
     default=256.0,
     show_default=True,
     help="Cap of recent mutations kept in memory; nodes further behind read the source log.",
@@ -563,7 +637,14 @@ def router(
     log_format: str,
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
-    stream it to every --to node, then each new document as it comes."""
+    stream it to every --to node, then each new document as it comes.
+
+    Examples:
+
+    \b
+      indexer router --state router --to 127.0.0.1:9105 --jsonl docs.jsonl --follow
+      indexer router --state router --cluster-map cluster.toml --http 127.0.0.1:9110
+    """
     from indexer.logs import configure as configure_logging
     from indexer.router import SourceError, SourceLog, Workload
     from indexer.router.service import RouterOptions, run_router
@@ -636,10 +717,19 @@ class _NoBar:
 
 @main.command()
 @click.argument("name")
-@click.option("--data-dir", type=click.Path(path_type=Path), help="Default: server.data_dir.")
-@click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML file.")
+@click.option(
+    "--data-dir", type=DIR, metavar="DIR", help="A stopped node's data (default: server.data_dir)."
+)
+@click.option("--config", "config_file", type=FILE, metavar="FILE", help=SERVE_CONFIG_HELP)
 def dump(name: str, data_dir: Path | None, config_file: Path | None) -> None:
-    """Print index NAME as JSONL in index order, from a store no daemon holds."""
+    """Print index NAME as JSONL in index order, from a store no daemon holds.
+
+    Examples:
+
+    \b
+      indexer dump by_city --data-dir data
+      indexer dump by_age --config my.toml | head
+    """
     from indexer.dump import dump_lines
     from indexer.keys import KeyEncodingError
     from indexer.storage import StoreError, StoreLockedError
@@ -733,12 +823,17 @@ def _get_json(api: Api, path: str, **params: Any) -> Any:
     return response.json()
 
 
-URL_OPTION = click.option("--url", help="The daemon's HTTP API (default: the configured address).")
+URL_OPTION = click.option(
+    "--url",
+    metavar="URL",
+    help="The daemon's HTTP API, like http://127.0.0.1:9102 (default: the configured address).",
+)
 CONFIG_OPTION = click.option(
     "--config",
     "config_file",
-    type=click.Path(path_type=Path),
-    help="TOML file (its address, token and tls_ca are used unless given otherwise).",
+    type=FILE,
+    metavar="FILE",
+    help="A TOML configuration: its address, token and tls_ca are used unless given otherwise.",
 )
 
 
@@ -784,7 +879,14 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
 def stats(
     daemon: ApiOptions,
 ) -> None:
-    """Print the daemon's statistics (GET /stats) as JSON."""
+    """Print the daemon's statistics (GET /stats) as JSON.
+
+    Examples:
+
+    \b
+      indexer stats --url http://127.0.0.1:9102
+      indexer stats --config my.toml
+    """
     import json
 
     api = daemon.connect()
@@ -795,7 +897,8 @@ def stats(
 @api_options
 @click.option(
     "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=DIR,
+    metavar="DIR",
     help="Compact this data directory in-process instead (no daemon may hold it).",
 )
 def compact(
@@ -803,7 +906,14 @@ def compact(
     data_dir: Path | None,
 ) -> None:
     """Compact the store of a running daemon (POST /compact), or of a data directory no daemon
-    holds; prints the bytes on disk before and after as JSON."""
+    holds; prints the bytes on disk before and after as JSON.
+
+    Examples:
+
+    \b
+      indexer compact --url http://127.0.0.1:9102
+      indexer compact --data-dir data
+    """
     import json
 
     data_dir = _data_dir(data_dir)
@@ -841,7 +951,15 @@ def compact(
 def list_indexes(
     daemon: ApiOptions,
 ) -> None:
-    """List the indexes with their keys, state, entry counts and conditions."""
+    """List the indexes, one per line: name, keys, state (with a build's progress), entries and
+    condition, separated by tabs.
+
+    Examples:
+
+    \b
+      indexer list-indexes --url http://127.0.0.1:9102
+      indexer list-indexes --config my.toml
+    """
     api = daemon.connect()
     for index in _get_json(api, "/indexes")["indexes"]:
         state = index["state"]
@@ -851,54 +969,64 @@ def list_indexes(
         click.echo(line + (f"\tWHERE {index['where']}" if index.get("where") else ""))
 
 
-@main.command()
-@click.argument("name")
-@api_options
-@click.option("--eq", help="JSON: the key (or a prefix of it, as a list) to match.")
-@click.option("--low", help="JSON: the lower bound (a value or a list prefix).")
-@click.option("--high", help="JSON: the upper bound.")
-@click.option(
-    "--inclusion",
-    type=click.Choice(["both", "low", "high", "neither"]),
-    default="both",
-    show_default=True,
-)
-@click.option(
-    "--consistency", type=click.Choice(["any", "request_plus"]), default="any", show_default=True
-)
-@click.option(
-    "--at-plus",
-    "at_plus",
-    help='JSON: wait for a snapshot covering {"vbucket": seqno, ...}, or the line '
-    "`indexer feed --wait visible` prints (session consistency).",
-)
-@click.option("--limit", type=click.IntRange(0))
-@click.option("--timeout", type=click.FloatRange(0), default=120, show_default=True)
-@click.option(
-    "--cluster-map",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Scan every node of this cluster map and merge the rows in index order.",
-)
-def scan(
-    name: str,
-    daemon: ApiOptions,
+def query_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the options of a scan's or a count's query: the range and the consistency."""
+    options = (
+        click.option(
+            "--eq", metavar="JSON", help="The key (or a prefix of it, as a list) to match."
+        ),
+        click.option(
+            "--low", metavar="JSON", help="The lower bound (a value, or a list: a key prefix)."
+        ),
+        click.option(
+            "--high", metavar="JSON", help="The upper bound (a value, or a list: a key prefix)."
+        ),
+        click.option(
+            "--inclusion",
+            type=click.Choice(["both", "low", "high", "neither"]),
+            default="both",
+            show_default=True,
+            help="Which of the bounds --low and --high are in the range.",
+        ),
+        click.option(
+            "--consistency",
+            type=click.Choice(["any", "request_plus"]),
+            default="any",
+            show_default=True,
+            help="any: the latest readable snapshot at once; request_plus: wait for one holding "
+            "everything the daemon had received when asked.",
+        ),
+        click.option(
+            "--at-plus",
+            "at_plus",
+            metavar="JSON",
+            help='Wait for a snapshot covering {"vbucket": seqno, ...}, or the line '
+            "`indexer feed --wait visible` prints (session consistency).",
+        ),
+        click.option(
+            "--timeout",
+            type=click.FloatRange(0),
+            metavar="SECONDS",
+            default=120,
+            show_default=True,
+            help="How long the daemon may wait for the snapshot asked for (then HTTP 504).",
+        ),
+    )
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _query_params(
     eq: str | None,
     low: str | None,
     high: str | None,
     inclusion: str,
     consistency: str,
     at_plus: str | None,
-    limit: int | None,
     timeout: float,
-    cluster_map: Path | None,
-) -> None:
-    """Print index NAME's entries (JSONL, index order) from the running daemon, or from every
-    node of a cluster map."""
-    import json
-
-    import httpx
-
-    _index_name(name)
+) -> dict[str, Any]:
+    """The query string of `query_options`' values; exit 2 when they are not JSON or clash."""
     if eq is not None and (low is not None or high is not None):
         fail("give --eq or --low/--high, not both", 2)
     params: dict[str, Any] = {
@@ -922,6 +1050,48 @@ def scan(
             vector = vector["at_plus"]
         params["consistency"] = "at_plus"
         params["at_plus"] = json.dumps(vector)
+    return params
+
+
+@main.command()
+@click.argument("name")
+@api_options
+@query_options
+@click.option(
+    "--limit", type=click.IntRange(0), metavar="N", help="Print N entries at most (the first)."
+)
+@click.option(
+    "--cluster-map",
+    type=FILE,
+    metavar="FILE",
+    help="Scan every node of this cluster map and merge the rows in index order.",
+)
+def scan(
+    name: str,
+    daemon: ApiOptions,
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    inclusion: str,
+    consistency: str,
+    at_plus: str | None,
+    limit: int | None,
+    timeout: float,
+    cluster_map: Path | None,
+) -> None:
+    """Print index NAME's entries (JSONL, index order) from the running daemon, or from every
+    node of a cluster map.
+
+    Examples:
+
+    \b
+      indexer scan by_city --low '"Berlin"' --high '"Oslo"' --limit 10
+      indexer scan by_age --eq 30 --consistency request_plus
+    """
+    import httpx
+
+    _index_name(name)
+    params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
     if limit is not None:
         params["limit"] = limit
     if cluster_map is not None:
@@ -987,8 +1157,12 @@ def _scan_cluster(
 
 @main.command("create-index")
 @click.argument("name")
-@click.option("--keys", required=True, help="Field paths of the key, comma-separated.")
-@click.option("--where", help='A condition for a partial index, like "age >= 18".')
+@click.option(
+    "--keys", required=True, metavar="PATHS", help="Field paths of the key, comma-separated."
+)
+@click.option(
+    "--where", metavar="CONDITION", help='A condition for a partial index, like "age >= 18".'
+)
 @click.option(
     "--wait",
     is_flag=True,
@@ -997,9 +1171,10 @@ def _scan_cluster(
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
     default=3600.0,
     show_default=True,
-    help="Seconds --wait waits at most.",
+    help="How long --wait waits at most.",
 )
 @api_options
 def create_index(
@@ -1011,7 +1186,14 @@ def create_index(
     daemon: ApiOptions,
 ) -> None:
     """Create index NAME on a running daemon. Over data already streamed it is built first
-    (state building, then catchup) and becomes active once caught up."""
+    (state building, then catchup) and becomes active once caught up.
+
+    Examples:
+
+    \b
+      indexer create-index by_zip --keys address.zip,name --wait
+      indexer create-index adults --keys age --where "age >= 18"
+    """
     import httpx
 
     _index_name(name)
@@ -1069,7 +1251,14 @@ def drop_index(
     name: str,
     daemon: ApiOptions,
 ) -> None:
-    """Drop index NAME on a running daemon and delete its entries."""
+    """Drop index NAME on a running daemon and delete its entries.
+
+    Examples:
+
+    \b
+      indexer drop-index by_zip
+      indexer drop-index by_zip --url http://127.0.0.1:9102
+    """
     import httpx
 
     _index_name(name)

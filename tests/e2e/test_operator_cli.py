@@ -1,23 +1,29 @@
 """The command line as an operator meets it, with real processes: start-up errors in one
-line, a prompt stop during an index build, the log's level and formats."""
+line, a prompt stop during an index build, the log's level and formats, and help that
+documents every option with examples."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import httpx
 import pytest
+from click.testing import CliRunner
 
 from indexer import protocol as p
+from indexer.cli import main
 from tests.e2e.conftest import WAIT_S, Daemon, free_port, indexer_command
 from tests.e2e.feed_client import NUM_VBUCKETS, FeedClient, History
 from tests.e2e.stream_client import FAST_PERSIST
@@ -201,3 +207,89 @@ def test_log_format_json_for_the_daemon_and_the_router(
     assert any(r["message"].startswith("stopped cleanly") for r in records)
     routed = json_lines(router.log())
     assert any(r["logger"].startswith("indexer.router") for r in routed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Help, placeholders, version, completion
+
+# The placeholders of the command line; the same thing has the same one everywhere.
+PLACEHOLDERS = {
+    "FILE", "DIR", "HOST:PORT", "URL", "NAME", "PORT", "N", "VB", "SEQNO", "RATIO", "MB",
+    "SECONDS", "JSON", "PATHS", "CONDITION", "TOKEN",
+}  # fmt: skip
+SAME_THING = {"--to": "HOST:PORT", "--http": "HOST:PORT", "--url": "URL", "--node": "NAME"}
+
+
+def commands() -> list[tuple[str, click.Command]]:
+    """Every command of the `indexer` tree, by its full name."""
+    found: list[tuple[str, click.Command]] = [("indexer", main)]
+    assert isinstance(main, click.Group)
+    for name, command in sorted(main.commands.items()):
+        found.append((f"indexer {name}", command))
+    return found
+
+
+def test_every_option_has_help_and_a_placeholder_of_the_vocabulary() -> None:
+    seen: dict[str, set[str]] = {}
+    for name, command in commands():
+        for param in command.params:
+            if not isinstance(param, click.Option):
+                continue
+            option = max(param.opts, key=len)
+            assert param.help and param.help.strip(), f"{name} {option} has no help"
+            if param.is_flag or isinstance(param.type, click.Choice):
+                continue
+            assert param.metavar in PLACEHOLDERS, f"{name} {option}: {param.metavar}"
+            if isinstance(param.type, click.Path):
+                if not param.type.dir_okay:
+                    assert param.metavar == "FILE", f"{name} {option}"
+                if not param.type.file_okay:
+                    assert param.metavar == "DIR", f"{name} {option}"
+            if option in SAME_THING:
+                assert param.metavar == SAME_THING[option], f"{name} {option}"
+            seen.setdefault(option, set()).add(param.metavar)
+    # --keys is the key space of --generate (N) in feed and router, the key's paths in
+    # create-index: two things; any other option means one thing wherever it is.
+    assert {option for option, metavars in seen.items() if len(metavars) > 1} <= {"--keys"}
+
+
+def test_every_command_ends_its_help_with_examples() -> None:
+    runner = CliRunner()
+    for name, _ in commands():
+        shown = runner.invoke(main, [*name.split()[1:], "--help"], terminal_width=80)
+        assert shown.exit_code == 0, shown.output
+        text = shown.output.split("Options:")[0].rstrip()
+        assert "Examples:" in text, f"{name} has no examples"
+        examples = [line.strip() for line in text.split("Examples:")[1].strip().splitlines()]
+        assert 1 <= len(examples) <= 2, (name, examples)
+        for line in examples:  # kept whole, one per line (click's \b paragraphs)
+            assert "indexer " in line and line.startswith(("indexer ", "until indexer")), (
+                name,
+                line,
+            )
+        if name != "indexer":
+            assert any(line.startswith(name) for line in examples), (name, examples)
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    shown = cli("--version")
+    assert shown.returncode == 0, shown.stderr
+    assert importlib.metadata.version("indexer") in shown.stdout
+    assert shown.stdout.startswith("indexer")
+
+
+def test_shell_completion_as_the_readme_says() -> None:
+    """The installed `indexer` script (completion is keyed to the program's name)."""
+    indexer = str(Path(sys.executable).parent / "indexer")
+
+    def run(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [indexer], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+        )
+
+    for shell in ("bash", "zsh", "fish"):
+        script = run(_INDEXER_COMPLETE=f"{shell}_source")
+        assert script.returncode == 0 and "indexer" in script.stdout, (shell, script.stderr)
+    offered = run(_INDEXER_COMPLETE="bash_complete", COMP_WORDS="indexer li", COMP_CWORD="1")
+    assert offered.returncode == 0
+    assert "list-indexes" in offered.stdout
