@@ -1,5 +1,5 @@
 """The `indexer` command line: serve, feed, router, dump, and the HTTP API's clients (stats,
-list-indexes, scan, create-index, drop-index, compact).
+list-indexes, scan, count, health, create-index, drop-index, compact).
 
 Every error ends the command with a non-zero exit and one line on stderr saying what is wrong.
 The same thing has the same placeholder in every command's help: FILE, DIR, HOST:PORT, URL,
@@ -823,10 +823,14 @@ def _get_json(api: Api, path: str, **params: Any) -> Any:
     return response.json()
 
 
+URL_ENV = "INDEXER_URL"
 URL_OPTION = click.option(
     "--url",
     metavar="URL",
-    help="The daemon's HTTP API, like http://127.0.0.1:9102 (default: the configured address).",
+    envvar=URL_ENV,
+    show_envvar=True,
+    help="The daemon's HTTP API, like http://127.0.0.1:9102 (default: the address of --config "
+    "if given, else $INDEXER_URL, else the embedded configuration's).",
 )
 CONFIG_OPTION = click.option(
     "--config",
@@ -847,9 +851,11 @@ class ApiOptions:
     token: str | None = field(repr=False)
     token_file: Path | None
     tls_ca: Path | None
+    env_url: str | None = None  # $INDEXER_URL: below --url and --config
 
     def connect(self) -> Api:
-        return _api(self.url, self.config_file, self.token, self.token_file, self.tls_ca)
+        url = self.url or (self.env_url if self.config_file is None else None)
+        return _api(url, self.config_file, self.token, self.token_file, self.tls_ca)
 
 
 def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -865,7 +871,11 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
         tls_ca: Path | None,
         **kwargs: Any,
     ) -> Any:
-        daemon = ApiOptions(url, config_file, token, token_file, tls_ca)
+        env_url = None
+        source = click.get_current_context().get_parameter_source("url")
+        if source is click.core.ParameterSource.ENVIRONMENT:
+            url, env_url = None, url  # --cluster-map or --data-dir may go with it
+        daemon = ApiOptions(url, config_file, token, token_file, tls_ca, env_url)
         return command(*args, daemon=daemon, **kwargs)
 
     wrapped: Callable[..., Any] = with_api
@@ -874,23 +884,64 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+JSON_OUTPUT_OPTION = click.option(
+    "--json", "as_json", is_flag=True, help="Print the API's answer as JSON instead of a table."
+)
+
+
 @main.command()
 @api_options
+@JSON_OUTPUT_OPTION
 def stats(
     daemon: ApiOptions,
+    as_json: bool,
 ) -> None:
-    """Print the daemon's statistics (GET /stats) as JSON.
+    """Print the daemon's statistics (GET /stats): one figure per line, named by its path in
+    the JSON answer (like queues[0].stalls), or with --json the answer itself.
 
     Examples:
 
     \b
       indexer stats --url http://127.0.0.1:9102
-      indexer stats --config my.toml
+      indexer stats --json | jq .persisted
     """
     import json
 
     api = daemon.connect()
-    click.echo(json.dumps(_get_json(api, "/stats"), indent=2))
+    answer = _get_json(api, "/stats")
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    rows = list(_figures(answer))
+    width = max((len(name) for name, _ in rows), default=0)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+
+
+def _figures(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """The figures of a JSON answer as (path, text) rows: objects' keys joined with dots, the
+    items of lists of objects numbered, lists of numbers on one row."""
+    if isinstance(value, dict) and value:
+        for key, inner in value.items():
+            yield from _figures(inner, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+        for i, inner in enumerate(value):
+            yield from _figures(inner, f"{path}[{i}]")
+    else:
+        yield path, _figure(value)
+
+
+def _figure(value: Any) -> str:
+    """A JSON scalar (or a list of them) as the stats table shows it."""
+    if value is None or value == {} or value == []:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return ", ".join(_figure(v) for v in value)
+    return str(value)
 
 
 @main.command()
@@ -948,20 +999,26 @@ def compact(
 
 @main.command("list-indexes")
 @api_options
+@JSON_OUTPUT_OPTION
 def list_indexes(
     daemon: ApiOptions,
+    as_json: bool,
 ) -> None:
     """List the indexes, one per line: name, keys, state (with a build's progress), entries and
-    condition, separated by tabs.
+    condition, separated by tabs; or with --json the answer of GET /indexes.
 
     Examples:
 
     \b
       indexer list-indexes --url http://127.0.0.1:9102
-      indexer list-indexes --config my.toml
+      indexer list-indexes --json | jq -r '.indexes[].name'
     """
     api = daemon.connect()
-    for index in _get_json(api, "/indexes")["indexes"]:
+    answer = _get_json(api, "/indexes")
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    for index in answer["indexes"]:
         state = index["state"]
         if "build" in index:
             state += f" {index['build']['percent']:g}%"
@@ -1153,6 +1210,88 @@ def _scan_cluster(
         fail(str(exc))
     except BrokenPipeError:
         sys.stderr.close()
+
+
+@main.command()
+@click.argument("name")
+@api_options
+@query_options
+def count(
+    name: str,
+    daemon: ApiOptions,
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    inclusion: str,
+    consistency: str,
+    at_plus: str | None,
+    timeout: float,
+) -> None:
+    """Print the number of index NAME's entries, of all or of a range (GET
+    /indexes/NAME/count).
+
+    Examples:
+
+    \b
+      indexer count by_age --consistency request_plus
+      indexer count by_age --low 18 --high 30 --inclusion low
+    """
+    _index_name(name)
+    params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
+    import httpx
+
+    api = daemon.connect()
+    try:
+        response = httpx.get(
+            f"{api.base}/indexes/{name}/count",
+            params=params,
+            timeout=timeout + 30,  # the daemon answers 504 after `timeout`
+            headers=api.headers,
+            verify=api.verify,
+        )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {api.base}: {exc}")
+    if response.status_code != 200:
+        _http_error(response)
+    click.echo(response.json()["count"])
+
+
+@main.command()
+@api_options
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0, min_open=True),
+    metavar="SECONDS",
+    default=10.0,
+    show_default=True,
+    help="How long to wait for the answer.",
+)
+def health(daemon: ApiOptions, timeout: float) -> None:
+    """Exit 0 when the daemon answers GET /health (it is ready), else 1 with one line saying
+    why (unreachable, or starting).
+
+    Examples:
+
+    \b
+      indexer health --url http://127.0.0.1:9102
+      until indexer health 2>/dev/null; do sleep 1; done
+    """
+    import httpx
+
+    api = daemon.connect()
+    try:
+        response = httpx.get(
+            f"{api.base}/health", timeout=timeout, headers=api.headers, verify=api.verify
+        )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {api.base}: {exc}")
+    if response.status_code != 200:
+        try:
+            reason = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            reason = response.text.strip()[:200]
+        fail(f"the daemon at {api.base} is not healthy: HTTP {response.status_code}: {reason}")
+    click.echo(f"{api.base}: ok")
 
 
 @main.command("create-index")

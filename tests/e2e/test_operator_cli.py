@@ -1,6 +1,6 @@
-"""The command line as an operator meets it, with real processes: start-up errors in one
-line, a prompt stop during an index build, the log's level and formats, and help that
-documents every option with examples."""
+"""The command line as an operator meets it, with real processes: start-up errors in one line,
+a prompt stop during an index build, health, count, --json, $INDEXER_URL, the log formats, and
+help that documents every option with examples."""
 
 from __future__ import annotations
 
@@ -24,7 +24,16 @@ from click.testing import CliRunner
 
 from indexer import protocol as p
 from indexer.cli import main
-from tests.e2e.conftest import WAIT_S, Daemon, free_port, indexer_command
+from indexer.router import Workload, generate
+from tests.e2e.conftest import (
+    WAIT_S,
+    Daemon,
+    free_port,
+    indexer_command,
+    model,
+    run_feed,
+    write_jsonl,
+)
 from tests.e2e.feed_client import NUM_VBUCKETS, FeedClient, History
 from tests.e2e.stream_client import FAST_PERSIST
 
@@ -162,6 +171,85 @@ def test_sigterm_while_a_build_waits_to_merge_stops_at_once(daemon_factory: Any)
     daemon.start()
     assert index_state(daemon, "by_age_again") == "building"
     assert daemon.stop() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The API's clients: health, count, --json, $INDEXER_URL
+
+
+@pytest.fixture
+def fed(daemon_factory: Any, tmp_path: Path) -> tuple[Daemon, list[Any]]:
+    daemon = daemon_factory().start()
+    documents = list(generate(Workload(3_000, 800, 0.1, 23)))
+    fed = run_feed(daemon, write_jsonl(tmp_path / "docs.jsonl", documents))
+    assert fed.returncode == 0, fed.stderr
+    return daemon, documents
+
+
+def test_health_and_count_against_a_daemon(fed: tuple[Daemon, list[Any]]) -> None:
+    daemon, documents = fed
+    healthy = cli("health", "--url", daemon.url)
+    assert healthy.returncode == 0, healthy.stderr
+    assert healthy.stdout.strip() == f"{daemon.url}: ok"
+    counted = cli("count", "by_age", "--url", daemon.url, "--consistency", "request_plus")
+    assert counted.returncode == 0, counted.stderr
+    assert int(counted.stdout) == len(model(documents, ["age"]))
+    thirties = [e for e in model(documents, ["age"]) if e["key"][0] == 30]
+    counted = cli("count", "by_age", "--url", daemon.url, "--eq", "30")
+    assert counted.returncode == 0, counted.stderr
+    assert int(counted.stdout) == len(thirties) > 0
+    # Bad input and a missing index: one line, no traceback.
+    bad = cli("count", "by_age", "--url", daemon.url, "--eq", "{nope")
+    assert bad.returncode == 2 and bad.stderr == "indexer: error: --eq: not JSON: {nope\n"
+    missing = cli("count", "nope", "--url", daemon.url)
+    assert missing.returncode == 1 and len(missing.stderr.splitlines()) == 1
+    assert missing.stderr.startswith("indexer: error: HTTP 404")
+    assert daemon.stop() == 0
+    # The daemon is gone: health fails with one line.
+    down = cli("health", "--url", daemon.url)
+    assert down.returncode == 1
+    assert len(down.stderr.splitlines()) == 1, down.stderr
+    assert down.stderr.startswith(f"indexer: error: cannot reach the daemon at {daemon.url}")
+    # hypercorn's banner tells to press CTRL + C: the daemon says where it serves itself.
+    assert "CTRL + C" not in daemon.log()
+    assert f"HTTP API on {daemon.url}" in daemon.log()
+
+
+def test_json_output_and_the_url_from_the_environment(fed: tuple[Daemon, list[Any]]) -> None:
+    daemon, documents = fed
+    env = {"INDEXER_URL": daemon.url}
+    listed = cli("list-indexes", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    indexes = {i["name"]: i for i in json.loads(listed.stdout)["indexes"]}
+    assert set(indexes) == {"by_city", "by_age"}
+    assert indexes["by_age"]["entries"] == len(model(documents, ["age"]))
+    stats = cli("stats", "--json", env=env)
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["persisted"]["seqno_sum"] == len(documents)
+    # Without --json, a table: a figure per line, named by its path in the answer.
+    table = cli("stats", env=env)
+    assert table.returncode == 0, table.stderr
+    rows = dict(line.split(None, 1) for line in table.stdout.splitlines())
+    assert rows["persisted.seqno_sum"] == str(len(documents))
+    assert rows["queues[0].stalls"] == "0"
+    assert rows["indexes.by_age.entries"] == str(len(model(documents, ["age"])))
+    counted = cli("count", "by_city", env=env)
+    assert counted.returncode == 0 and int(counted.stdout) == len(
+        model(documents, ["address.city", "age"])
+    )
+    # --url wins over the variable.
+    elsewhere = cli("health", env={"INDEXER_URL": f"http://127.0.0.1:{free_port()}"})
+    assert elsewhere.returncode == 1
+    assert cli("health", "--url", daemon.url, env={"INDEXER_URL": "http://nowhere"}).returncode == 0
+    assert daemon.stop() == 0
+    # Given a data directory instead of a daemon, a command leaves the variable aside.
+    compacted = cli("compact", "--data-dir", str(data_dir(daemon)), env=env)
+    assert compacted.returncode == 0, compacted.stderr
+
+
+def data_dir(daemon: Daemon) -> Path:
+    text = daemon.config.read_text()
+    return Path(text.split('data_dir = "', 1)[1].split('"', 1)[0])
 
 
 # ------------------------------------------------------------------------------------------------
