@@ -2,4 +2,4 @@
 
 from indexer.cli import main
 
-main()
+main(prog_name="indexer")  # not "python -m indexer" in usage lines

@@ -93,6 +93,9 @@ class IndexCatalog:
         # While a merge holds flushes, maintenance's queues grow and wait for the build: the
         # build must not wait behind them for its last flushes.
         self._merging = False
+        # Set once intake has stopped (`stop_merging`): no build stream moves any more.
+        self._stopping = False
+        self._merge_wait: trio.CancelScope | None = None
 
     def add_build(self, index: StoredIndex) -> IndexBuild:
         """Start the initial build of a stored "building" index (at start-up or on create)."""
@@ -125,6 +128,15 @@ class IndexCatalog:
         """Whether builds should wait: the maintenance queues hold more than MAINTENANCE_BACKLOG
         records, and no merge is holding their flushes."""
         return not self._merging and sum(w.ring.queued for w in self.workers) > MAINTENANCE_BACKLOG
+
+    def stop_merging(self) -> None:
+        """Intake has stopped (the daemon is shutting down): builds receive nothing more, so a
+        merge waiting for one gives up now instead of holding the last flush for up to
+        MERGE_TIMEOUT_S, and no merge starts. A build resumes from its progress at the next
+        start."""
+        self._stopping = True
+        if self._merge_wait is not None:
+            self._merge_wait.cancel()
 
     def _remove_column(self, name: str) -> None:
         """Records stop carrying the index's key (from the routers' next handshake)."""
@@ -217,9 +229,13 @@ class IndexCatalog:
 
         async def complete_build(upto: Sequence[int], started: float) -> None:
             phases["flush"] = trio.current_time() - started
-            with trio.move_on_after(MERGE_TIMEOUT_S):
-                while not build.reached(upto):
-                    await build.wait_moved()
+            with trio.move_on_after(MERGE_TIMEOUT_S) as waiting:
+                self._merge_wait = waiting
+                try:
+                    while not build.reached(upto) and not self._stopping:
+                        await build.wait_moved()
+                finally:
+                    self._merge_wait = None
             if not build.reached(upto):
                 raise _GiveUp(f"the build of {name} did not reach the maintenance timestamp")
             # No build flush may land after maintenance starts writing this index: stop the
@@ -255,6 +271,8 @@ class IndexCatalog:
             async with self._lock:
                 if self.builds.get(name) is not build:  # dropped meanwhile
                     return False
+                if self._stopping:
+                    raise _GiveUp(f"the build of {name} caught up as the daemon stopped")
                 self._merging = True
                 started = trio.current_time()
                 try:
@@ -267,7 +285,14 @@ class IndexCatalog:
                 stopped = trio.current_time() - started
         except _GiveUp as exc:
             build.rearm()
-            log.warning("%s; maintenance resumed, merging later", exc)
+            if self._stopping:
+                log.info(
+                    "index %s not merged: the daemon is stopping; its build resumes at the next "
+                    "start",
+                    name,
+                )
+            else:
+                log.warning("%s; maintenance resumed, merging later", exc)
             return False
         finally:
             merge.abandon()  # nothing once applied

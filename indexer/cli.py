@@ -1,6 +1,9 @@
-"""The `indexer` command line: serve, feed, router, dump.
+"""The `indexer` command line: serve, feed, router, dump, and the HTTP API's clients (stats,
+list-indexes, scan, count, health, create-index, drop-index, compact).
 
 Every error ends the command with a non-zero exit and one line on stderr saying what is wrong.
+The same thing has the same placeholder in every command's help: FILE, DIR, HOST:PORT, URL,
+NAME, N, JSON, SECONDS.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import click
 import trio
 
 from indexer.config import (
+    LOG_LEVELS,
     TOKEN_ENV,
     Config,
     ConfigError,
@@ -31,6 +35,7 @@ from indexer.config import (
     load_config,
     read_token_file,
 )
+from indexer.logs import LOG_FORMATS
 
 if TYPE_CHECKING:
     from indexer.router.feed import FeedSecurity
@@ -111,15 +116,17 @@ TOKEN_HELP = (
     "The indexer's shared token (default: $INDEXER_TOKEN). On the command line it shows in the "
     "process list: prefer --token-file or the variable."
 )
-TOKEN_OPTION = click.option("--token", help=TOKEN_HELP)
+TOKEN_OPTION = click.option("--token", metavar="TOKEN", help=TOKEN_HELP)
 TOKEN_FILE_OPTION = click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
     help="A file holding the indexer's shared token (its first line).",
 )
 TLS_CA_OPTION = click.option(
     "--tls-ca",
     type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
     help="A PEM file of CA certificates to check the indexer's TLS certificate with (for a "
     "self-signed certificate, the certificate itself).",
 )
@@ -131,23 +138,58 @@ TLS_OPTION = click.option(
 )
 
 
+# The types of the placeholders FILE, DIR and PORT.
+FILE = click.Path(dir_okay=False, path_type=Path)
+DIR = click.Path(file_okay=False, path_type=Path)
+PORT = click.IntRange(0, 65535)
+SERVE_CONFIG_HELP = "A TOML configuration overriding the embedded default's keys."
+
+
+def log_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add --log-level and --log-format (the long-running commands' log on stderr)."""
+    level = click.option(
+        "--log-level",
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        help="Log records of this level and above (default: server.log_level for serve, info "
+        "for router).",
+    )
+    form = click.option(
+        "--log-format",
+        type=click.Choice(LOG_FORMATS),
+        default="text",
+        show_default=True,
+        help="text: one line per record; json: one JSON object per line (time, level, logger, "
+        "message).",
+    )
+    return level(form(command))
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="indexer")
+@click.version_option(package_name="indexer", prog_name="indexer", message="%(prog)s %(version)s")
 def main() -> None:
-    """A secondary-index daemon fed by routers over TCP, persisting to LevelDB."""
+    """A secondary-index daemon fed by routers over TCP, persisting to LevelDB.
+
+    Examples:
+
+    \b
+      indexer serve --config my.toml
+      indexer router --state router --to 127.0.0.1:9105 --jsonl docs.jsonl --follow
+    """
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML file.")
-@click.option("--data-dir", type=click.Path(path_type=Path), help="Overrides server.data_dir.")
-@click.option("--feed-port", type=click.IntRange(0, 65535), help="Overrides server.feed_port.")
-@click.option("--http-port", type=click.IntRange(0, 65535), help="Overrides server.http_port.")
+@log_options
+@click.option("--config", "config_file", metavar="FILE", type=FILE, help=SERVE_CONFIG_HELP)
+@click.option("--data-dir", metavar="DIR", type=DIR, help="Overrides server.data_dir.")
+@click.option("--feed-port", metavar="PORT", type=PORT, help="Overrides server.feed_port.")
+@click.option("--http-port", metavar="PORT", type=PORT, help="Overrides server.http_port.")
 @click.option(
     "--cluster-map",
+    metavar="FILE",
     type=click.Path(dir_okay=False, path_type=Path),
     help="A cluster map (TOML): take this node's vbuckets and addresses from it (with --node).",
 )
-@click.option("--node", help="This node's name in --cluster-map.")
+@click.option("--node", metavar="NAME", help="This node's name in --cluster-map.")
 @click.option(
     "--adopt-source",
     is_flag=True,
@@ -155,6 +197,8 @@ def main() -> None:
     "entry of the old source (otherwise such a router is refused).",
 )
 def serve(
+    log_level: str | None,
+    log_format: str,
     config_file: Path | None,
     data_dir: Path | None,
     feed_port: int | None,
@@ -163,8 +207,17 @@ def serve(
     node: str | None,
     adopt_source: bool,
 ) -> None:
-    """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0)."""
+    """Run the daemon until SIGINT or SIGTERM (then drain, persist and exit 0).
+
+    Examples:
+
+    \b
+      indexer serve --config my.toml --data-dir /srv/idx --feed-port 9200
+      indexer serve --cluster-map cluster.toml --node a --log-format json
+    """
+    from indexer.daemon import StartError
     from indexer.daemon import serve as run_daemon
+    from indexer.logs import configure as configure_logging
     from indexer.storage import StoreError
 
     slice_of: dict[str, Any] = {}
@@ -191,22 +244,38 @@ def serve(
     config = _config(config_file, data_dir=data_dir, feed_port=feed_port, http_port=http_port)
     if slice_of:
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, **slice_of))
-    logging.basicConfig(
-        level=config.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(log_level or config.server.log_level, log_format)
     logging.getLogger("indexer.daemon").info(
         "configuration: %s", config_file if config_file else "embedded default"
     )
     try:
         trio.run(functools.partial(run_daemon, config, adopt_source=adopt_source))
-    except StoreError as exc:
-        fail(str(exc))
-    except OSError as exc:
-        fail(f"cannot listen on {config.server.host}:{config.server.feed_port}: {exc.strerror}")
+    except (StartError, StoreError, OSError, BaseExceptionGroup) as exc:
+        fail(_serve_error(exc, (StartError, StoreError)))
     except KeyboardInterrupt:
         fail("interrupted during start-up", 130)
+
+
+def _serve_error(error: BaseException, known: tuple[type[Exception], ...]) -> str:
+    """The line that says why the daemon stopped: trio wraps the error of a task in exception
+    groups, one per nursery it leaves. An error of no `known` kind nor an OSError (a bug) is
+    raised again, with its traceback."""
+    leaves: list[BaseException] = []
+    pending = [error]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    for kind in (*known, OSError):
+        for leaf in leaves:
+            if isinstance(leaf, kind):
+                if isinstance(leaf, OSError) and not isinstance(leaf, known):
+                    where = f": {leaf.filename}" if leaf.filename else ""
+                    return f"{leaf.strerror or leaf}{where}"
+                return str(leaf)
+    raise error
 
 
 def _address(value: str, allow_zero: bool = False) -> tuple[str, int]:
@@ -218,18 +287,49 @@ def _address(value: str, allow_zero: bool = False) -> tuple[str, int]:
 
 APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteBatch each)
 
-
-@main.command()
-@click.option("--to", "address", help="The indexer's feed address, HOST:PORT.")
-@click.option(
+JSONL_OPTION = click.option(
     "--jsonl",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="FILE",
     help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.',
 )
-@click.option("--generate", type=click.IntRange(1), help="Generate this many mutations.")
-@click.option("--keys", type=click.IntRange(1), help="Key space of --generate (default N/5).")
-@click.option("--delete-ratio", type=click.FloatRange(0, 1), default=0.1, show_default=True)
-@click.option("--seed", type=int, default=42, show_default=True)
+GENERATE_OPTION = click.option(
+    "--generate",
+    type=click.IntRange(1),
+    metavar="N",
+    help="Generate N mutations: a seeded workload of documents and deletes.",
+)
+KEYS_OPTION = click.option(
+    "--keys",
+    type=click.IntRange(1),
+    metavar="N",
+    help="The document ids --generate draws from (default: a fifth of its N).",
+)
+DELETE_RATIO_OPTION = click.option(
+    "--delete-ratio",
+    type=click.FloatRange(0, 1),
+    metavar="RATIO",
+    default=0.1,
+    show_default=True,
+    help="The share of --generate's mutations that are deletes.",
+)
+SEED_OPTION = click.option(
+    "--seed",
+    type=int,
+    metavar="N",
+    default=42,
+    show_default=True,
+    help="The seed of --generate: the same seed gives the same mutations.",
+)
+
+
+@main.command()
+@click.option("--to", "address", metavar="HOST:PORT", help="The indexer's feed address.")
+@JSONL_OPTION
+@GENERATE_OPTION
+@KEYS_OPTION
+@DELETE_RATIO_OPTION
+@SEED_OPTION
 @click.option(
     "--wait",
     type=click.Choice(["persisted", "visible", "none"]),
@@ -241,11 +341,13 @@ APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteB
 @click.option(
     "--vbuckets",
     type=click.IntRange(1, 65536),
+    metavar="N",
     help="Vbuckets of the key space (default 1024, or the count the --state log was made with).",
 )
 @click.option(
     "--state",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=DIR,
+    metavar="DIR",
     help="Keep the source's history here: append the input, stream what the indexer lacks.",
 )
 @click.option(
@@ -257,7 +359,7 @@ APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteB
 @click.option(
     "--failover-seqno",
     type=int,
-    metavar="S",
+    metavar="SEQNO",
     help="Where --failover starts the new history (default: the high seqno, losing nothing).",
 )
 @TOKEN_OPTION
@@ -285,6 +387,12 @@ def feed(
 
     With --state DIR the router keeps its source on disk: --failover runs first, then the input
     (if any) is appended, then (with --to) the log is streamed from where the indexer stands.
+
+    Examples:
+
+    \b
+      indexer feed --to 127.0.0.1:9105 --jsonl docs.jsonl --wait visible
+      indexer feed --state router --jsonl docs.jsonl --to 127.0.0.1:9105
     """
     from indexer.router import Workload, read_jsonl
     from indexer.router import generate as generate_documents
@@ -464,39 +572,47 @@ def _feed_state(
 @click.option(
     "--state",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=DIR,
+    metavar="DIR",
     help="The router's source log (created if missing).",
 )
-@click.option("--to", "targets", multiple=True, help="An indexer node, HOST:PORT (repeat).")
+@click.option(
+    "--to", "targets", multiple=True, metavar="HOST:PORT", help="An indexer node (repeat)."
+)
 @click.option(
     "--cluster-map",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=FILE,
+    metavar="FILE",
     help="Stream to the nodes of this cluster map (re-read when it changes) instead of --to.",
 )
-@click.option(
-    "--jsonl",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.',
-)
+@JSONL_OPTION
 @click.option("--follow", is_flag=True, help="Keep reading lines appended to --jsonl (tail -f).")
-@click.option("--http", "http_address", help="Serve PUT/DELETE /docs/ID on HOST:PORT.")
+@click.option(
+    "--http",
+    "http_address",
+    metavar="HOST:PORT",
+    help="Serve PUT/DELETE /docs/ID, GET /stats and POST /failover/VB here (port 0: any).",
+)
 @click.option(
     "--vbuckets",
     type=click.IntRange(1, 65536),
+    metavar="N",
     help="Vbuckets of a new --state log (default 1024; an existing log keeps its count).",
 )
-@click.option("--generate", type=click.IntRange(1), help="Also append N generated mutations.")
-@click.option("--keys", type=click.IntRange(1), help="Key space of --generate (default N/5).")
-@click.option("--delete-ratio", type=click.FloatRange(0, 1), default=0.1, show_default=True)
-@click.option("--seed", type=int, default=42, show_default=True)
+@GENERATE_OPTION
+@KEYS_OPTION
+@DELETE_RATIO_OPTION
+@SEED_OPTION
 @click.option(
     "--rate",
     type=click.FloatRange(min=0, min_open=True),
-    help="Generate about this many mutations per second (default: as fast as appended).",
+    metavar="N",
+    help="Generate about N mutations per second (default: as fast as appended).",
 )
 @click.option(
     "--memory-mb",
     type=click.FloatRange(0.01, 1 << 20),
+    metavar="MB",
     default=256.0,
     show_default=True,
     help="Cap of recent mutations kept in memory; nodes further behind read the source log.",
@@ -505,6 +621,7 @@ def _feed_state(
 @TOKEN_FILE_OPTION
 @TLS_OPTION
 @TLS_CA_OPTION
+@log_options
 def router(
     state: Path,
     targets: tuple[str, ...],
@@ -523,9 +640,19 @@ def router(
     token_file: Path | None,
     tls: bool,
     tls_ca: Path | None,
+    log_level: str | None,
+    log_format: str,
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
-    stream it to every --to node, then each new document as it comes."""
+    stream it to every --to node, then each new document as it comes.
+
+    Examples:
+
+    \b
+      indexer router --state router --to 127.0.0.1:9105 --jsonl docs.jsonl --follow
+      indexer router --state router --cluster-map cluster.toml --http 127.0.0.1:9110
+    """
+    from indexer.logs import configure as configure_logging
     from indexer.router import SourceError, SourceLog, Workload
     from indexer.router.service import RouterOptions, run_router
     from indexer.storage import COMPACTION_NICE
@@ -559,11 +686,7 @@ def router(
             http = _address(http_address, allow_zero=True)  # port 0: any free port
         except click.BadParameter as exc:
             fail(f"--http: {exc.message}", 2)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(log_level or "info", log_format)
     options = RouterOptions(
         addresses,
         jsonl,
@@ -601,10 +724,19 @@ class _NoBar:
 
 @main.command()
 @click.argument("name")
-@click.option("--data-dir", type=click.Path(path_type=Path), help="Default: server.data_dir.")
-@click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML file.")
+@click.option(
+    "--data-dir", type=DIR, metavar="DIR", help="A stopped node's data (default: server.data_dir)."
+)
+@click.option("--config", "config_file", type=FILE, metavar="FILE", help=SERVE_CONFIG_HELP)
 def dump(name: str, data_dir: Path | None, config_file: Path | None) -> None:
-    """Print index NAME as JSONL in index order, from a store no daemon holds."""
+    """Print index NAME as JSONL in index order, from a store no daemon holds.
+
+    Examples:
+
+    \b
+      indexer dump by_city --data-dir data
+      indexer dump by_age --config my.toml | head
+    """
     from indexer.dump import dump_lines
     from indexer.keys import KeyEncodingError
     from indexer.storage import StoreError, StoreLockedError
@@ -698,12 +830,21 @@ def _get_json(api: Api, path: str, **params: Any) -> Any:
     return response.json()
 
 
-URL_OPTION = click.option("--url", help="The daemon's HTTP API (default: the configured address).")
+URL_ENV = "INDEXER_URL"
+URL_OPTION = click.option(
+    "--url",
+    metavar="URL",
+    envvar=URL_ENV,
+    show_envvar=True,
+    help="The daemon's HTTP API, like http://127.0.0.1:9102 (default: the address of --config "
+    "if given, else $INDEXER_URL, else the embedded configuration's).",
+)
 CONFIG_OPTION = click.option(
     "--config",
     "config_file",
-    type=click.Path(path_type=Path),
-    help="TOML file (its address, token and tls_ca are used unless given otherwise).",
+    type=FILE,
+    metavar="FILE",
+    help="A TOML configuration: its address, token and tls_ca are used unless given otherwise.",
 )
 
 
@@ -717,9 +858,11 @@ class ApiOptions:
     token: str | None = field(repr=False)
     token_file: Path | None
     tls_ca: Path | None
+    env_url: str | None = None  # $INDEXER_URL: below --url and --config
 
     def connect(self) -> Api:
-        return _api(self.url, self.config_file, self.token, self.token_file, self.tls_ca)
+        url = self.url or (self.env_url if self.config_file is None else None)
+        return _api(url, self.config_file, self.token, self.token_file, self.tls_ca)
 
 
 def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -735,7 +878,11 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
         tls_ca: Path | None,
         **kwargs: Any,
     ) -> Any:
-        daemon = ApiOptions(url, config_file, token, token_file, tls_ca)
+        env_url = None
+        source = click.get_current_context().get_parameter_source("url")
+        if source is click.core.ParameterSource.ENVIRONMENT:
+            url, env_url = None, url  # --cluster-map or --data-dir may go with it
+        daemon = ApiOptions(url, config_file, token, token_file, tls_ca, env_url)
         return command(*args, daemon=daemon, **kwargs)
 
     wrapped: Callable[..., Any] = with_api
@@ -744,23 +891,72 @@ def api_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+JSON_OUTPUT_OPTION = click.option(
+    "--json", "as_json", is_flag=True, help="Print the API's answer as JSON instead of a table."
+)
+
+
 @main.command()
 @api_options
+@JSON_OUTPUT_OPTION
 def stats(
     daemon: ApiOptions,
+    as_json: bool,
 ) -> None:
-    """Print the daemon's statistics (GET /stats) as JSON."""
+    """Print the daemon's statistics (GET /stats): one figure per line, named by its path in
+    the JSON answer (like queues[0].stalls), or with --json the answer itself.
+
+    Examples:
+
+    \b
+      indexer stats --url http://127.0.0.1:9102
+      indexer stats --json | jq .persisted
+    """
     import json
 
     api = daemon.connect()
-    click.echo(json.dumps(_get_json(api, "/stats"), indent=2))
+    answer = _get_json(api, "/stats")
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    rows = list(_figures(answer))
+    width = max((len(name) for name, _ in rows), default=0)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+
+
+def _figures(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """The figures of a JSON answer as (path, text) rows: objects' keys joined with dots, the
+    items of lists of objects numbered, lists of numbers on one row."""
+    if isinstance(value, dict) and value:
+        for key, inner in value.items():
+            yield from _figures(inner, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+        for i, inner in enumerate(value):
+            yield from _figures(inner, f"{path}[{i}]")
+    else:
+        yield path, _figure(value)
+
+
+def _figure(value: Any) -> str:
+    """A JSON scalar (or a list of them) as the stats table shows it."""
+    if value is None or value == {} or value == []:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return ", ".join(_figure(v) for v in value)
+    return str(value)
 
 
 @main.command()
 @api_options
 @click.option(
     "--data-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=DIR,
+    metavar="DIR",
     help="Compact this data directory in-process instead (no daemon may hold it).",
 )
 def compact(
@@ -768,7 +964,14 @@ def compact(
     data_dir: Path | None,
 ) -> None:
     """Compact the store of a running daemon (POST /compact), or of a data directory no daemon
-    holds; prints the bytes on disk before and after as JSON."""
+    holds; prints the bytes on disk before and after as JSON.
+
+    Examples:
+
+    \b
+      indexer compact --url http://127.0.0.1:9102
+      indexer compact --data-dir data
+    """
     import json
 
     data_dir = _data_dir(data_dir)
@@ -803,12 +1006,26 @@ def compact(
 
 @main.command("list-indexes")
 @api_options
+@JSON_OUTPUT_OPTION
 def list_indexes(
     daemon: ApiOptions,
+    as_json: bool,
 ) -> None:
-    """List the indexes with their keys, state, entry counts and conditions."""
+    """List the indexes, one per line: name, keys, state (with a build's progress), entries and
+    condition, separated by tabs; or with --json the answer of GET /indexes.
+
+    Examples:
+
+    \b
+      indexer list-indexes --url http://127.0.0.1:9102
+      indexer list-indexes --json | jq -r '.indexes[].name'
+    """
     api = daemon.connect()
-    for index in _get_json(api, "/indexes")["indexes"]:
+    answer = _get_json(api, "/indexes")
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    for index in answer["indexes"]:
         state = index["state"]
         if "build" in index:
             state += f" {index['build']['percent']:g}%"
@@ -816,54 +1033,64 @@ def list_indexes(
         click.echo(line + (f"\tWHERE {index['where']}" if index.get("where") else ""))
 
 
-@main.command()
-@click.argument("name")
-@api_options
-@click.option("--eq", help="JSON: the key (or a prefix of it, as a list) to match.")
-@click.option("--low", help="JSON: the lower bound (a value or a list prefix).")
-@click.option("--high", help="JSON: the upper bound.")
-@click.option(
-    "--inclusion",
-    type=click.Choice(["both", "low", "high", "neither"]),
-    default="both",
-    show_default=True,
-)
-@click.option(
-    "--consistency", type=click.Choice(["any", "request_plus"]), default="any", show_default=True
-)
-@click.option(
-    "--at-plus",
-    "at_plus",
-    help='JSON: wait for a snapshot covering {"vbucket": seqno, ...}, or the line '
-    "`indexer feed --wait visible` prints (session consistency).",
-)
-@click.option("--limit", type=click.IntRange(0))
-@click.option("--timeout", type=click.FloatRange(0), default=120, show_default=True)
-@click.option(
-    "--cluster-map",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Scan every node of this cluster map and merge the rows in index order.",
-)
-def scan(
-    name: str,
-    daemon: ApiOptions,
+def query_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the options of a scan's or a count's query: the range and the consistency."""
+    options = (
+        click.option(
+            "--eq", metavar="JSON", help="The key (or a prefix of it, as a list) to match."
+        ),
+        click.option(
+            "--low", metavar="JSON", help="The lower bound (a value, or a list: a key prefix)."
+        ),
+        click.option(
+            "--high", metavar="JSON", help="The upper bound (a value, or a list: a key prefix)."
+        ),
+        click.option(
+            "--inclusion",
+            type=click.Choice(["both", "low", "high", "neither"]),
+            default="both",
+            show_default=True,
+            help="Which of the bounds --low and --high are in the range.",
+        ),
+        click.option(
+            "--consistency",
+            type=click.Choice(["any", "request_plus"]),
+            default="any",
+            show_default=True,
+            help="any: the latest readable snapshot at once; request_plus: wait for one holding "
+            "everything the daemon had received when asked.",
+        ),
+        click.option(
+            "--at-plus",
+            "at_plus",
+            metavar="JSON",
+            help='Wait for a snapshot covering {"vbucket": seqno, ...}, or the line '
+            "`indexer feed --wait visible` prints (session consistency).",
+        ),
+        click.option(
+            "--timeout",
+            type=click.FloatRange(0),
+            metavar="SECONDS",
+            default=120,
+            show_default=True,
+            help="How long the daemon may wait for the snapshot asked for (then HTTP 504).",
+        ),
+    )
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _query_params(
     eq: str | None,
     low: str | None,
     high: str | None,
     inclusion: str,
     consistency: str,
     at_plus: str | None,
-    limit: int | None,
     timeout: float,
-    cluster_map: Path | None,
-) -> None:
-    """Print index NAME's entries (JSONL, index order) from the running daemon, or from every
-    node of a cluster map."""
-    import json
-
-    import httpx
-
-    _index_name(name)
+) -> dict[str, Any]:
+    """The query string of `query_options`' values; exit 2 when they are not JSON or clash."""
     if eq is not None and (low is not None or high is not None):
         fail("give --eq or --low/--high, not both", 2)
     params: dict[str, Any] = {
@@ -887,6 +1114,48 @@ def scan(
             vector = vector["at_plus"]
         params["consistency"] = "at_plus"
         params["at_plus"] = json.dumps(vector)
+    return params
+
+
+@main.command()
+@click.argument("name")
+@api_options
+@query_options
+@click.option(
+    "--limit", type=click.IntRange(0), metavar="N", help="Print N entries at most (the first)."
+)
+@click.option(
+    "--cluster-map",
+    type=FILE,
+    metavar="FILE",
+    help="Scan every node of this cluster map and merge the rows in index order.",
+)
+def scan(
+    name: str,
+    daemon: ApiOptions,
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    inclusion: str,
+    consistency: str,
+    at_plus: str | None,
+    limit: int | None,
+    timeout: float,
+    cluster_map: Path | None,
+) -> None:
+    """Print index NAME's entries (JSONL, index order) from the running daemon, or from every
+    node of a cluster map.
+
+    Examples:
+
+    \b
+      indexer scan by_city --low '"Berlin"' --high '"Oslo"' --limit 10
+      indexer scan by_age --eq 30 --consistency request_plus
+    """
+    import httpx
+
+    _index_name(name)
+    params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
     if limit is not None:
         params["limit"] = limit
     if cluster_map is not None:
@@ -950,10 +1219,96 @@ def _scan_cluster(
         sys.stderr.close()
 
 
+@main.command()
+@click.argument("name")
+@api_options
+@query_options
+def count(
+    name: str,
+    daemon: ApiOptions,
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    inclusion: str,
+    consistency: str,
+    at_plus: str | None,
+    timeout: float,
+) -> None:
+    """Print the number of index NAME's entries, of all or of a range (GET
+    /indexes/NAME/count).
+
+    Examples:
+
+    \b
+      indexer count by_age --consistency request_plus
+      indexer count by_age --low 18 --high 30 --inclusion low
+    """
+    _index_name(name)
+    params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
+    import httpx
+
+    api = daemon.connect()
+    try:
+        response = httpx.get(
+            f"{api.base}/indexes/{name}/count",
+            params=params,
+            timeout=timeout + 30,  # the daemon answers 504 after `timeout`
+            headers=api.headers,
+            verify=api.verify,
+        )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {api.base}: {exc}")
+    if response.status_code != 200:
+        _http_error(response)
+    click.echo(response.json()["count"])
+
+
+@main.command()
+@api_options
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0, min_open=True),
+    metavar="SECONDS",
+    default=10.0,
+    show_default=True,
+    help="How long to wait for the answer.",
+)
+def health(daemon: ApiOptions, timeout: float) -> None:
+    """Exit 0 when the daemon answers GET /health (it is ready), else 1 with one line saying
+    why (unreachable, or starting).
+
+    Examples:
+
+    \b
+      indexer health --url http://127.0.0.1:9102
+      until indexer health 2>/dev/null; do sleep 1; done
+    """
+    import httpx
+
+    api = daemon.connect()
+    try:
+        response = httpx.get(
+            f"{api.base}/health", timeout=timeout, headers=api.headers, verify=api.verify
+        )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {api.base}: {exc}")
+    if response.status_code != 200:
+        try:
+            reason = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            reason = response.text.strip()[:200]
+        fail(f"the daemon at {api.base} is not healthy: HTTP {response.status_code}: {reason}")
+    click.echo(f"{api.base}: ok")
+
+
 @main.command("create-index")
 @click.argument("name")
-@click.option("--keys", required=True, help="Field paths of the key, comma-separated.")
-@click.option("--where", help='A condition for a partial index, like "age >= 18".')
+@click.option(
+    "--keys", required=True, metavar="PATHS", help="Field paths of the key, comma-separated."
+)
+@click.option(
+    "--where", metavar="CONDITION", help='A condition for a partial index, like "age >= 18".'
+)
 @click.option(
     "--wait",
     is_flag=True,
@@ -962,9 +1317,10 @@ def _scan_cluster(
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
     default=3600.0,
     show_default=True,
-    help="Seconds --wait waits at most.",
+    help="How long --wait waits at most.",
 )
 @api_options
 def create_index(
@@ -976,7 +1332,14 @@ def create_index(
     daemon: ApiOptions,
 ) -> None:
     """Create index NAME on a running daemon. Over data already streamed it is built first
-    (state building, then catchup) and becomes active once caught up."""
+    (state building, then catchup) and becomes active once caught up.
+
+    Examples:
+
+    \b
+      indexer create-index by_zip --keys address.zip,name --wait
+      indexer create-index adults --keys age --where "age >= 18"
+    """
     import httpx
 
     _index_name(name)
@@ -1034,7 +1397,14 @@ def drop_index(
     name: str,
     daemon: ApiOptions,
 ) -> None:
-    """Drop index NAME on a running daemon and delete its entries."""
+    """Drop index NAME on a running daemon and delete its entries.
+
+    Examples:
+
+    \b
+      indexer drop-index by_zip
+      indexer drop-index by_zip --url http://127.0.0.1:9102
+    """
     import httpx
 
     _index_name(name)

@@ -16,8 +16,10 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
+from hypercorn.logging import Logger as HypercornLogger
 
 from indexer.catalog import IndexCatalog
 from indexer.collector import freeze_long_lived, rare_collections
@@ -43,6 +45,11 @@ from workers.flush import BackIndexCache, IndexWriter, entry_counts
 from workers.worker import StreamItem, Worker
 
 log = logging.getLogger("indexer.daemon")
+
+
+class StartError(Exception):
+    """The daemon cannot start, for a reason the message names: a port it cannot listen on, a
+    data directory it cannot create. The command line prints it as one line."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,12 @@ async def serve(
     over: everything the store holds is dropped then (otherwise such a router is refused).
     """
     server = config.server
-    server.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        server.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StartError(
+            f"cannot create the data directory {server.data_dir}: {exc.strerror or exc}"
+        ) from None
     nice = config.compaction.thread_nice
     with (
         IndexStore(server.data_dir, compaction_nice=nice) as store,
@@ -263,6 +275,8 @@ async def serve(
                         pipeline.start_soon(dispatch, from_readers, [s for s, _ in channels])
                         async with to_dispatch:
                             await _intake(config, reader, view, http_port, ready)
+                        # Build streams ended with intake: a merge must not wait for them.
+                        catalog.stop_merging()
                     log.info("intake stopped, queues drained; flushing and persisting")
                     timekeeper.stop()
                 services.cancel_scope.cancel()
@@ -303,10 +317,35 @@ async def _serve_http(
     async def started(task_status: trio.TaskStatus[list[str]]) -> None:
         await hypercorn_serve(api, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
 
+    hyper.logger_class = _HypercornLog
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(started)
+        try:
+            binds = await nursery.start(started)
+        except* OSError as group:
+            raise _listen_error(server.host, server.http_port, "http", group) from None
         port = int(binds[0].rsplit(":", 1)[1]) if binds else server.http_port
         task_status.started(port)
+
+
+class _HypercornLog(HypercornLogger):
+    """hypercorn's log of the daemon's HTTP server, less its "Running on ... (CTRL + C to quit)"
+    banner: the daemon logs where it serves itself, and stops on SIGINT or SIGTERM."""
+
+    async def info(self, message: str, *args: Any, **kwargs: Any) -> None:
+        if message.startswith("Running on ") and message.endswith("(CTRL + C to quit)"):
+            return
+        await super().info(message, *args, **kwargs)
+
+
+def _listen_error(
+    host: str, port: int, purpose: str, group: BaseExceptionGroup[OSError]
+) -> StartError:
+    """The start error of a port that cannot be bound: which one, for what, and why."""
+    cause: BaseException = group
+    while isinstance(cause, BaseExceptionGroup):
+        cause = cause.exceptions[0]
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+    return StartError(f"cannot listen on {host}:{port} ({purpose}): {reason}")
 
 
 def _log_security(config: Config) -> None:
@@ -347,27 +386,33 @@ async def _intake(
     ssl_context = config.security.server_ssl_context()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            if ssl_context is None:
-                listeners = await nursery.start(
-                    lambda task_status: trio.serve_tcp(
-                        reader.handle, server.feed_port, host=server.host, task_status=task_status
+            try:
+                if ssl_context is None:
+                    listeners = await nursery.start(
+                        lambda task_status: trio.serve_tcp(
+                            reader.handle,
+                            server.feed_port,
+                            host=server.host,
+                            task_status=task_status,
+                        )
                     )
-                )
-                port = listeners[0].socket.getsockname()[1]
-            else:
-                # Every connection is a trio.SSLStream; its TLS handshake is made on the first
-                # read, within limits.handshake_timeout_ms like the HANDSHAKE frame.
-                tls_listeners = await nursery.start(
-                    lambda task_status: trio.serve_ssl_over_tcp(
-                        reader.handle,
-                        server.feed_port,
-                        ssl_context,
-                        host=server.host,
-                        https_compatible=True,
-                        task_status=task_status,
+                    port = listeners[0].socket.getsockname()[1]
+                else:
+                    # Every connection is a trio.SSLStream; its TLS handshake is made on the
+                    # first read, within limits.handshake_timeout_ms like the HANDSHAKE frame.
+                    tls_listeners = await nursery.start(
+                        lambda task_status: trio.serve_ssl_over_tcp(
+                            reader.handle,
+                            server.feed_port,
+                            ssl_context,
+                            host=server.host,
+                            https_compatible=True,
+                            task_status=task_status,
+                        )
                     )
-                )
-                port = tls_listeners[0].transport_listener.socket.getsockname()[1]
+                    port = tls_listeners[0].transport_listener.socket.getsockname()[1]
+            except* OSError as group:
+                raise _listen_error(server.host, server.feed_port, "feed", group) from None
             view.ready = True
             scheme = "https" if ssl_context is not None else "http"
             log.info("HTTP API on %s://%s:%d", scheme, server.host, http_port)
