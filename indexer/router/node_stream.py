@@ -176,6 +176,42 @@ class RecentDocuments:
             del self._documents[position]
 
 
+SHARED_FRAMES_BYTES = 32 << 20
+"""Encoded snapshots kept for the streams of nodes with the same index definitions."""
+
+FramesKey = tuple[object, ...]
+Pieces = list[tuple[list[bytes], int]]
+
+
+class SharedFrames:
+    """Memory snapshots encoded once for every node with the same index definitions and frame
+    sizes (replicas, `--to` twice): by those, the vbucket's vbuuid and the snapshot's range,
+    which name its items exactly. The oldest go first past `capacity` bytes."""
+
+    def __init__(self, capacity: int = SHARED_FRAMES_BYTES) -> None:
+        self.capacity = capacity
+        self.bytes = 0
+        self.hits = 0
+        self._pieces: dict[FramesKey, tuple[Pieces, int]] = {}
+
+    def get(self, key: FramesKey) -> Pieces | None:
+        found = self._pieces.get(key)
+        if found is None:
+            return None
+        self.hits += 1
+        return found[0]
+
+    def put(self, key: FramesKey, pieces: Pieces) -> None:
+        size = sum(len(frame) for frames, _ in pieces for frame in frames)
+        if key in self._pieces or size > self.capacity:
+            return
+        self._pieces[key] = (pieces, size)
+        self.bytes += size
+        while self.bytes > self.capacity:
+            oldest = next(iter(self._pieces))
+            self.bytes -= self._pieces.pop(oldest)[1]
+
+
 class NodeCursors:
     """One connection's cursors (sans-IO): memory snapshots and backfill chunks in, frames out.
 
@@ -194,14 +230,18 @@ class NodeCursors:
         batch_records: int = BATCH_RECORDS,
         recent: RecentDocuments | None = None,
         keep: bool = False,
+        shared: SharedFrames | None = None,
     ) -> None:
         self.source = source
         self.recent = recent
+        self.shared = shared
         self.mm = mm
         self.consumer = consumer
         self.records = RecordEncoder(reply.indexes, reply.max_frame_bytes)
         self.batch_bytes = batch_bytes(reply)
         self.batch_records = batch_records
+        # What decides a snapshot's frames besides its items: nodes that agree share them.
+        self.encoding = (reply.indexes, reply.max_frame_bytes, self.batch_bytes, batch_records)
         self.begun: set[int] = set()
         self.backfilling: dict[int, Backfill] = {}
         self.requests: list[Backfill] = []
@@ -265,11 +305,29 @@ class NodeCursors:
                 yield vb, snapshot
 
     def memory_chunks(self) -> Iterator[tuple[list[bytes], int]]:
-        """(frames, items) of `memory_snapshots`."""
+        """(frames, items) of `memory_snapshots`, encoded once for every node that shares
+        this one's encoding (`shared`)."""
+        shared = self.shared
         for vb, snapshot in self.memory_snapshots():
-            versions = [(item.seqno, self._document(vb, item)) for item in snapshot.items]
-            self.sent += len(versions)
-            yield from self._snapshot_frames(vb, snapshot.start, snapshot.end, versions)
+            self.sent += len(snapshot.items)
+            key = (self.encoding, vb, self.source.vbuuid(vb), snapshot.start, snapshot.end)
+            pieces = shared.get(key) if shared is not None else None
+            if pieces is None:
+                versions = [(item.seqno, self._document(vb, item)) for item in snapshot.items]
+                pieces = list(
+                    snapshot_frames(
+                        self.records,
+                        self.batch_bytes,
+                        self.batch_records,
+                        vb,
+                        snapshot.start,
+                        snapshot.end,
+                        versions,
+                    )
+                )
+                if shared is not None:
+                    shared.put(key, pieces)
+            yield from self._begin(vb, pieces)
 
     def memory_stored(self) -> list[RawChunk]:
         """`memory_snapshots` as stored versions, for an encoder process."""
@@ -434,6 +492,7 @@ async def follow_memory(
     defer: Callable[[], bool] | None = None,
     recent: RecentDocuments | None = None,
     security: FeedSecurity | None = None,
+    shared: SharedFrames | None = None,
 ) -> NoReturn:
     """Stream to the indexer at host:port from the Mutation Manager, backfilling from `source`
     where memory does not reach, until cancelled or a FeedError (one connection, no retry).
@@ -463,7 +522,9 @@ async def follow_memory(
         try:
             # A maintenance stream resumes after a reconnect from what the node acknowledged:
             # memory keeps what follows for it. A build stream resumes from what it wrote.
-            cursors = NodeCursors(reply, source, mm, consumer, recent=recent, keep=not build)
+            cursors = NodeCursors(
+                reply, source, mm, consumer, recent=recent, keep=not build, shared=shared
+            )
         except MutationError as exc:
             raise FeedError(f"the indexer's restart positions do not fit the log: {exc}") from None
         if not build:

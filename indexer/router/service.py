@@ -45,6 +45,7 @@ from indexer.router.node_stream import (
     MaintenanceFirst,
     NodeProgress,
     RecentDocuments,
+    SharedFrames,
     follow_memory,
 )
 from indexer.router.source import SourceError, SourceLog
@@ -141,6 +142,7 @@ class Appender:
         self.source = source
         self.mm = mm
         self.recent = RecentDocuments()
+        self.frames = SharedFrames()  # snapshots encoded once for nodes that agree
         self.lock = trio.Lock()
         self._changed = trio.Event()
         self.dropped = 0  # cursors dropped over the memory cap
@@ -418,6 +420,7 @@ async def _keep_streaming(
                         build=build,
                         defer=defer,
                         recent=appender.recent,
+                        shared=appender.frames,
                         security=security,
                     )
                 log.info("%s: handshaking again after a failover", name)

@@ -15,7 +15,7 @@ from indexer.keys import index_key
 from indexer.router.chunks import read_backfill_chunk
 from indexer.router.documents import Document
 from indexer.router.mutations import MutationManager
-from indexer.router.node_stream import MAX_DEFER_S, MaintenanceFirst, NodeCursors
+from indexer.router.node_stream import MAX_DEFER_S, MaintenanceFirst, NodeCursors, SharedFrames
 from indexer.router.source import SourceLog, encode_document
 
 N = 4
@@ -335,3 +335,29 @@ def test_a_build_never_gives_way_while_its_nodes_maintenance_stream_is_not_conne
         assert defer()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_replicas_share_each_snapshots_frames_and_other_definitions_do_not(
+    source: SourceLog,
+) -> None:
+    mm = MutationManager(capacity=1 << 30)
+    shared = SharedFrames()
+    append(source, mm, docs(0, 300, ids=120))
+    first = NodeCursors(reply(), source, mm, "a", shared=shared)
+    second = NodeCursors(reply(), source, mm, "b", shared=shared)
+    # Another index definition: its own frames, never the shared ones.
+    other = p.HandshakeReply(
+        (p.IndexDefinition("by_pad", ("pad",)),), N, tuple(range(N)), (), max_frame_bytes=4096
+    )
+    third = NodeCursors(other, source, mm, "c", shared=shared)
+    one, two = Consumer(), Consumer()
+    one.take(first.memory_chunks())
+    assert shared.hits == 0 and shared.bytes > 0
+    two.take(second.memory_chunks())
+    assert shared.hits > 0  # the replica encoded nothing itself
+    assert one.keys == two.keys == one.expected(source)
+    hits = shared.hits
+    assert sum(count for _, count in third.memory_chunks()) > 0
+    assert shared.hits == hits
+    for cursors in (first, second, third):
+        cursors.close()
