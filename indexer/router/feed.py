@@ -27,7 +27,7 @@ from typing import NoReturn, Protocol, TypeVar
 import trio
 
 from indexer import protocol as p
-from indexer.keys import KeyEncodingError, index_key
+from indexer.keys import MISSING, KeyEncodingError, encode_value, index_key
 from indexer.router.documents import Document, vbucket_of
 from indexer.router.source import SourceLog
 from indexer.where import WhereError, matches, parse_where
@@ -38,6 +38,8 @@ SEND_BYTES = 256 * 1024
 # most max_frame_bytes - FRAME_OVERHEAD always fits a frame.
 FRAME_OVERHEAD = 64
 MAX_REPORTED = 10_000  # documents an encoder remembers having logged
+MAX_CACHED_SCALARS = 65_536  # encoded scalar values an encoder keeps (cleared when full)
+_MISSING = encode_value(MISSING)
 _T = TypeVar("_T")
 
 log = logging.getLogger("indexer.router")
@@ -98,6 +100,12 @@ class RecordEncoder:
         self.partial = any(where is not None for where in self.wheres)
         self.left_out = 0
         self._reported: set[str] = set()
+        # Each distinct field path is read and encoded once per document, whatever number of
+        # indexes holds it (by_city and by_age both hold `age`); keys are their concatenations.
+        distinct = list(dict.fromkeys(path for paths in self.paths for path in paths))
+        self._steps = [tuple(path.split(".")) for path in distinct]
+        self._columns = [tuple(distinct.index(path) for path in paths) for paths in self.paths]
+        self._scalars: dict[tuple[type, object], bytes] = {}
 
     def keys(self, document: Document, seqno: int = 0) -> tuple[bytes, ...]:
         """The document's key in every index (b"" = not in that index)."""
@@ -105,16 +113,49 @@ class RecordEncoder:
         try:
             if body is None:
                 return (b"",) * self.nkeys
-            if self.partial:
-                # A document a partial index's condition is not TRUE for gets the empty key,
-                # which removes its entry there, like a missing leading field.
-                return tuple(
-                    index_key(body, paths) if matches(where, body) else b""
-                    for paths, where in zip(self.paths, self.wheres, strict=True)
-                )
-            return tuple(index_key(body, paths) for paths in self.paths)
+            if not self.partial:
+                return self._plain_keys(body)
+            # A document a partial index's condition is not TRUE for gets the empty key,
+            # which removes its entry there, like a missing leading field.
+            return tuple(
+                index_key(body, paths) if matches(where, body) else b""
+                for paths, where in zip(self.paths, self.wheres, strict=True)
+            )
         except (KeyEncodingError, RecursionError):
             return self._keys_one_by_one(document, seqno)
+
+    def _plain_keys(self, body: dict[str, object]) -> tuple[bytes, ...]:
+        """`keys` without partial indexes: each distinct path's value read and encoded once,
+        scalars that come again (ages, cities) from a small cache."""
+        scalars = self._scalars
+        encoded: list[bytes | None] = []
+        for steps in self._steps:
+            value: object = body
+            for step in steps:
+                value = value.get(step, MISSING) if type(value) is dict else MISSING
+            if value is MISSING:
+                encoded.append(None)
+                continue
+            kind = type(value)
+            if kind is str or kind is int or kind is bool or value is None:
+                cached = scalars.get((kind, value))
+                if cached is None:
+                    if len(scalars) >= MAX_CACHED_SCALARS:
+                        scalars.clear()
+                    cached = scalars[(kind, value)] = encode_value(value)
+                encoded.append(cached)
+            else:
+                encoded.append(encode_value(value))
+        keys = []
+        for columns in self._columns:
+            first = encoded[columns[0]]
+            if first is None:  # N1QL leaves out a document whose leading key is missing
+                keys.append(b"")
+            elif len(columns) == 1:
+                keys.append(first)
+            else:
+                keys.append(b"".join(_MISSING if (e := encoded[c]) is None else e for c in columns))
+        return tuple(keys)
 
     def _keys_one_by_one(self, document: Document, seqno: int) -> tuple[bytes, ...]:
         """The slow path of `keys`: each index on its own, the failing ones left out."""
