@@ -54,7 +54,14 @@ from indexer.router.workload import Workload, generate
 log = logging.getLogger("indexer.router")
 
 ROUTER_NAME = "indexer-router"
-READ_BYTES = 1 << 20  # of the JSONL input per read, appended as one synced batch
+READ_BYTES = 1 << 20  # of the JSONL input per read (parsed while the loop serves others)
+MAX_APPEND_BYTES = 8 << 20  # of the JSONL input appended as one synced batch, at most
+
+
+def append_bytes(capacity: int) -> int:
+    """Input bytes per append: up to an eighth of the Mutation Manager's cap (a batch beyond it
+    would drop every cursor at once), from one read to MAX_APPEND_BYTES."""
+    return max(READ_BYTES, min(MAX_APPEND_BYTES, capacity // 8))
 GENERATE_BATCH = 10_000  # generated documents appended as one synced batch
 RATE_TICK_S = 0.05  # a rate-limited generator appends what is due this often
 POLL_S = 0.2  # how often a followed file at its end is looked at again
@@ -242,8 +249,11 @@ async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None
     splitter = LineSplitter()
     where = str(path)
     total = 0
+    batch_bytes = append_bytes(appender.mm.capacity)
     async with await trio.open_file(path, "rb") as f:
         offset = 0
+        batch: list[Document] = []
+        taken = 0  # input bytes in `batch`
         while True:
             data = await f.read(READ_BYTES)
             # Input is waiting until a read finds nothing more (index builds give way meanwhile).
@@ -255,8 +265,17 @@ async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None
             documents, errors = parse_lines(lines, where)
             for error in errors:
                 log.error("skipped a bad input line: %s", error)
-            await appender.append(documents)
-            total += len(documents)
+            batch += documents
+            taken += len(data)
+            if data and taken < batch_bytes:
+                # Reads are parsed a piece at a time, the loop serving others in between; the
+                # append waits for more: a bigger batch is a bigger snapshot per vbucket, so
+                # the per-snapshot work is spread over more documents.
+                await trio.lowlevel.checkpoint()
+                continue
+            await appender.append(batch)
+            total += len(batch)
+            batch, taken = [], 0
             if data:
                 continue
             if not follow:
