@@ -162,7 +162,8 @@ class RecentDocuments:
         found = self._documents
         for position, document in zip(positions, documents, strict=True):
             found[position] = document
-        excess = len(found) - self.capacity
+        # The whole latest append stays, however big: the streams read it next.
+        excess = len(found) - max(self.capacity, len(positions))
         if excess > 0:
             for position in list(islice(found, excess)):  # the oldest first
                 del found[position]
