@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,11 @@ def in_workdir(prefix: str, keep: bool, run: Callable[[Path], dict[str, Any]]) -
 
 
 class Daemon:
-    """`python -m indexer serve` on a temp config; both ports read from its log."""
+    """`python -m indexer serve` on a temp config (and `args`); both ports read from its log."""
 
-    def __init__(self, workdir: Path, extra_config: str = "") -> None:
+    def __init__(self, workdir: Path, extra_config: str = "", args: Sequence[str] = ()) -> None:
         self.workdir = workdir
+        self.args = list(args)  # more `indexer serve` arguments (a cluster map's --node, say)
         self.data_dir = workdir / "data"
         self.config_path = workdir / "indexer.toml"
         self.log_path = workdir / "daemon.log"
@@ -82,7 +83,15 @@ class Daemon:
         seen = self.log().count("listening for router feeds")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "indexer", "serve", "--config", str(self.config_path)],
+                [
+                    sys.executable,
+                    "-m",
+                    "indexer",
+                    "serve",
+                    "--config",
+                    str(self.config_path),
+                    *self.args,
+                ],
                 stderr=log,
                 stdin=subprocess.DEVNULL,
             )

@@ -3,7 +3,8 @@
     python bench/report.py [--quick] [--skip-spark] [--only NAME,...] [--results DIR]
     python bench/report.py --from-results DIR
 
-The benchmarks (ingest, scan, rollback, router, build, memory: `bench/NAME.py`) run one after
+The benchmarks (pipeline, ingest, scan, rollback, router, build, memory: `bench/NAME.py`) run one
+after
 the other as subprocesses with their default sizes; `--quick` gives them small sizes instead, to
 check the whole chain in a few minutes (its figures are not to be quoted), and `--only` runs
 just the ones named. Each one's stdout is saved to DIR/NAME.out (stderr to NAME.err) and its
@@ -73,6 +74,7 @@ class Bench:
 
 
 BENCHES = (
+    Bench("pipeline", ("--documents", "50000")),
     Bench("ingest", ("--mutations", "200000", "--naive-mutations", "50000", "--raw-repeats", "1")),
     Bench(
         "scan",
@@ -212,9 +214,65 @@ class Row:
     ratio: str
 
 
+def pipeline_rows(r: Json) -> list[Row]:
+    """The honest headline: a JSONL file to persisted through the router, beside the daemon's
+    own intake, other layouts of nodes and PostgreSQL on the same documents."""
+    one = f"{num(r.get('docs_per_s_1'))} docs/s"
+    rows = [
+        Row(
+            "pipeline",
+            "documents/s from a JSONL file to persisted, 1 node",
+            one,
+            "the daemon's pre-encoded intake (the ceiling)",
+            f"{num(r.get('ceiling_per_s'))} mutations/s",
+            times(r.get("ratio_1")),
+        ),
+        Row(
+            "pipeline",
+            "the same, 2 nodes sliced by a cluster map",
+            f"{num(r.get('docs_per_s_2_slices'))} docs/s",
+            "1 node",
+            one,
+            times(r.get("ratio_2_slices_vs_1")),
+        ),
+        Row(
+            "pipeline",
+            "the same, 2 replica nodes",
+            f"{num(r.get('docs_per_s_2_replicas'))} docs/s",
+            "1 node",
+            one,
+            times(r.get("ratio_2_replicas_vs_1")),
+        ),
+        Row(
+            "pipeline",
+            "router CPU per document, 1 node",
+            f"{num(r.get('router_cpu_us_per_doc'), 1)} µs/doc",
+            "the daemon's CPU per document",
+            f"{num(r.get('daemon_cpu_us_per_doc_1'), 1)} µs/doc",
+            times(div(r.get("router_cpu_us_per_doc"), r.get("daemon_cpu_us_per_doc_1"))),
+        ),
+    ]
+    pg = r.get("pg_docs_per_s")
+    rows.append(
+        Row(
+            "pipeline",
+            "documents/s from a JSONL file to persisted, 1 node",
+            one,
+            "PostgreSQL: COPY, upserts, the same two indexes"
+            if pg
+            else "PostgreSQL (not run: no binaries, or skipped)",
+            f"{num(pg)} docs/s" if pg else "-",
+            times(r.get("ratio_vs_postgres")),
+        )
+    )
+    return rows
+
+
 def headline_rows(results: dict[str, Json]) -> list[Row]:
     """The headline figures of every benchmark present, each beside its baseline."""
     rows: list[Row] = []
+    if "pipeline" in results:
+        rows += pipeline_rows(results["pipeline"]["result"])
     if "ingest" in results:
         r = results["ingest"]["result"]
         e2e = f"{num(r.get('e2e_per_s'))} mutations/s"
@@ -666,6 +724,53 @@ def plot_ingest_rates(r: Json) -> Path | None:
     return save(fig, "ingest_rates")
 
 
+def plot_pipeline_rates(r: Json) -> Path | None:
+    """Documents/s from a JSONL file to persisted by layout, beside the ceiling and PostgreSQL."""
+    if not r.get("docs_per_s_1"):
+        return None
+    one = float(r["docs_per_s_1"])
+    layouts = [
+        ("1 node", one),
+        ("2 nodes, sliced", r.get("docs_per_s_2_slices")),
+        ("2 replica nodes", r.get("docs_per_s_2_replicas")),
+    ]
+    baselines = [
+        ("ceiling: pre-encoded intake", r.get("ceiling_per_s")),
+        ("PostgreSQL", r.get("pg_docs_per_s")),
+    ]
+    # (label, value, colour, annotation): layouts against 1 node, 1 node against the baselines
+    present = [
+        (label, float(v), COLORS[0], "" if i == 0 else f"  ({times(div(v, one))} of 1 node)")
+        for i, (label, v) in enumerate(layouts)
+        if v
+    ] + [
+        (label, float(v), RAW_COLOR, f"  (1 node: {times(div(one, v))} of it)")
+        for label, v in baselines
+        if v
+    ]
+    fig, (ax,) = figure(1)
+    ys = range(len(present))
+    drawn = ax.barh(list(ys), [p[1] / 1000 for p in present], color=[p[2] for p in present])
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([p[0] for p in present], fontsize=8)
+    ax.invert_yaxis()
+    for bar, (_, value, _, note) in zip(drawn, present, strict=True):
+        ax.annotate(
+            f" {num(value / 1000, 1)}k{note}",
+            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+            va="center",
+            fontsize=7,
+        )
+    ax.set_xlabel("thousand documents/s, JSONL file to persisted")
+    ax.set_xlim(0, max(p[1] for p in present) / 1000 * 1.4)
+    ax.set_title(
+        f"Pipeline of {num(r.get('documents'))} documents beside its ceiling and PostgreSQL "
+        "(same run)",
+        fontsize=9,
+    )
+    return save(fig, "pipeline_rates")
+
+
 def plot_build_lag(r: Json) -> Path | None:
     """How long a write takes to become readable (p50, p99) in each phase of a build."""
     lag = r.get("builds", {}).get("lag", {})
@@ -738,6 +843,14 @@ class Plot:
 
 
 PLOTS = (
+    Plot(
+        "pipeline",
+        plot_pipeline_rates,
+        "Pipeline rates",
+        "Pipeline: documents/s from a JSONL file through `indexer router` to a persisted snapshot "
+        "on 1 node, 2 sliced nodes and 2 replicas, beside the daemon's pre-encoded intake and "
+        "PostgreSQL loading the same file, all in one run.",
+    ),
     Plot(
         "ingest",
         plot_ingest_rates,

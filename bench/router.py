@@ -187,6 +187,7 @@ class Router:
         targets: Sequence[str],
         memory_mb: float | None = None,
         follow: bool = False,
+        cluster_map: Path | None = None,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "router.log"
@@ -194,6 +195,8 @@ class Router:
         command += ["--jsonl", str(jsonl), "--http", f"{HOST}:0"]
         for target in targets:
             command += ["--to", target]
+        if cluster_map is not None:  # the nodes of the map instead of `targets`
+            command += ["--cluster-map", str(cluster_map)]
         if memory_mb is not None:
             command += ["--memory-mb", str(memory_mb)]
         if follow:
