@@ -99,10 +99,12 @@ def open_leveldb(
     holder: str = "a running daemon?",
     locked: type[Exception] = StoreLockedError,
     failed: type[Exception] = StoreError,
+    write_buffer_size: int | None = None,
 ) -> Any:
     """A plyvel database, with lock and corruption errors turned into one clear line."""
+    options = {} if write_buffer_size is None else {"write_buffer_size": write_buffer_size}
     try:
-        return plyvel.DB(str(path), create_if_missing=create)
+        return plyvel.DB(str(path), create_if_missing=create, **options)
     except plyvel.IOError as exc:
         if "lock" in str(exc).lower():
             raise locked(f"{what} in {path} is held by another process ({holder})") from None
