@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import re
 import ssl
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -617,6 +618,18 @@ def _feed_state(
     show_default=True,
     help="Cap of recent mutations kept in memory; nodes further behind read the source log.",
 )
+@click.option(
+    "--vbucket-range",
+    metavar="RANGE",
+    help="Own only these vbuckets (like 0-511, or 0-255,768-1023), as one of several peer "
+    "routers of one source that read the same input; fixed when --state is created.",
+)
+@click.option(
+    "--source-id",
+    metavar="ID",
+    help="The source identity to create --state with (32 hex digits): peer routers of one "
+    "source share it. Default: a new one.",
+)
 @TOKEN_OPTION
 @TOKEN_FILE_OPTION
 @TLS_OPTION
@@ -635,6 +648,8 @@ def router(
     seed: int,
     rate: float | None,
     memory_mb: float,
+    vbucket_range: str | None,
+    source_id: str | None,
     cluster_map: Path | None,
     token: str | None,
     token_file: Path | None,
@@ -698,8 +713,16 @@ def router(
         cluster_map=cluster_map,
         security=_feed_security(token, token_file, tls, tls_ca),
     )
+    if source_id is not None and not re.fullmatch(r"[0-9a-f]{32}", source_id):
+        fail(f"--source-id: {source_id!r} is not 32 lowercase hex digits", 2)
     try:
-        log = SourceLog(state, vbuckets, compaction_nice=COMPACTION_NICE)
+        log = SourceLog(
+            state,
+            vbuckets,
+            compaction_nice=COMPACTION_NICE,
+            identity=source_id,
+            vbuckets=_vbucket_range(vbucket_range, vbuckets),
+        )
     except SourceError as exc:
         fail(str(exc))
     with log:
@@ -709,6 +732,21 @@ def router(
             fail(str(exc))
         except KeyboardInterrupt:
             fail("interrupted during start-up", 130)
+
+
+def _vbucket_range(value: str | None, count: int | None) -> tuple[int, ...] | None:
+    """--vbucket-range as vbucket numbers (None: all), checked against the vbucket count."""
+    if value is None:
+        return None
+    from indexer.cluster import ClusterMapError, parse_vbuckets
+
+    items: list[int | str] = [
+        int(item) if item.strip().isdigit() else item.strip() for item in value.split(",")
+    ]
+    try:  # the log checks them against its own vbucket count
+        return parse_vbuckets(items, count or 1 << 16, "--vbucket-range")
+    except ClusterMapError as exc:
+        fail(str(exc), 2)
 
 
 class _NoBar:

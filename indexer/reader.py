@@ -113,6 +113,7 @@ class Connection:
         # replaces when this router takes the node over (--adopt-source).
         self.new_source: str | None = None
         self.replaces: str | None = None
+        self.claimed: set[int] = set()  # the vbuckets its handshake asked for
 
     def _check_vbucket(self, vb: int) -> None:
         reg = self.registry
@@ -121,7 +122,8 @@ class Connection:
 
     def _check_streaming(self, vb: int) -> None:
         self._check_vbucket(vb)
-        if self.registry.owner[vb] != self.conn_id:
+        # Claimed by the handshake is not begun: STREAM_BEGIN comes first.
+        if vb not in self.vbuckets or self.registry.owner[vb] != self.conn_id:
             raise ProtocolError(
                 ErrorCode.STREAM_NOT_BEGUN, f"vbucket {vb} has no STREAM_BEGIN on this connection"
             )
@@ -138,8 +140,17 @@ class Connection:
                     ErrorCode.BAD_HANDSHAKE,
                     f"router uses {message.num_vbuckets} vbuckets, this node {len(reg.owned)}",
                 )
+            if not message.build:
+                self._check_claim(message)
             self._check_source(message)
             self.handshake = message
+            if not message.build:
+                # The vbuckets asked for are this connection's until it ends, streamed yet or
+                # not: a peer router of the same source is refused them at its handshake.
+                for vb in message.vbuckets:
+                    if 0 <= vb < len(reg.owned) and reg.owned[vb]:
+                        reg.owner[vb] = self.conn_id
+                        self.claimed.add(vb)
             return None
         if type(message) is p.MutationBatch:
             return self._accept_batch(message)
@@ -197,6 +208,23 @@ class Connection:
             )
         if not p.token_matches(handshake.token, self.token):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "the handshake's token is wrong")
+
+    def _check_claim(self, handshake: p.Handshake) -> None:
+        """Routers of one source own disjoint vbuckets: a handshake asking for a vbucket that
+        another connection streams is refused before anything of it is applied."""
+        owner = self.registry.owner
+        taken = [
+            vb
+            for vb in handshake.vbuckets
+            if 0 <= vb < len(owner) and owner[vb] is not None and owner[vb] != self.conn_id
+        ]
+        if taken:
+            raise ProtocolError(
+                ErrorCode.STREAM_EXISTS,
+                f"{len(taken)} of the vbuckets this router asks for are streamed by another "
+                f"connection (vbucket {taken[0]} the first): routers of one source own disjoint "
+                "vbuckets (indexer router --vbucket-range)",
+            )
 
     def _check_source(self, handshake: p.Handshake) -> None:
         """A node indexes one source's history: the first one it sees is claimed here, another
@@ -269,7 +297,7 @@ class Connection:
 
     def release(self) -> None:
         """The connection is gone: its vbuckets may be streamed by another one."""
-        for vb in self.vbuckets:
+        for vb in self.vbuckets | self.claimed:
             if self.registry.owner[vb] == self.conn_id:
                 self.registry.owner[vb] = None
 

@@ -252,7 +252,7 @@ class NodeCursors:
         self.skipped = 0
         restart = {position.vbucket: position.seqno for position in reply.restart}
         # Only what the node owns: a vbucket of another node would get NOT_MY_SLICE.
-        self.vbuckets = sorted(reply.owned)
+        self.vbuckets = sorted(vb for vb in reply.owned if source.owns(vb))
         try:
             for vb in self.vbuckets:
                 seqno = restart.get(vb, 0)
@@ -513,8 +513,10 @@ async def follow_memory(
     )
     vbuckets = source.vbuckets_with_history()
     logs = {vb: source.failover_log(vb) for vb in vbuckets}
+    # A peer router asks for its own vbuckets only: a node refuses a claim on a vbucket that
+    # another connection streams (STREAM_EXISTS), before anything of it is applied.
     handshake = p.Handshake(
-        router_name, n, tuple(range(n)), logs, build=build, source=source.identity
+        router_name, n, source.streamed_vbuckets(), logs, build=build, source=source.identity
     )
     stats = progress if progress is not None else NodeProgress()
 

@@ -48,7 +48,7 @@ from indexer.router.node_stream import (
     SharedFrames,
     follow_memory,
 )
-from indexer.router.source import SourceError, SourceLog
+from indexer.router.source import SourceError, SourceLog, describe_vbuckets
 from indexer.router.workload import Workload, generate
 
 log = logging.getLogger("indexer.router")
@@ -155,13 +155,25 @@ class Appender:
         self.dropped = 0  # cursors dropped over the memory cap
         self.input_waiting = False  # an input has more to append than it has read
         self.expired = 0  # documents deleted by the expiry pager
+        self.foreign = 0  # input documents of other routers' vbuckets, left to them
 
     def next_change(self) -> trio.Event:
         """The event the next append sets."""
         return self._changed
 
+    def owns(self, docid: str) -> bool:
+        """Whether the document's vbucket is this router's (a peer owns a range of them)."""
+        return self.source.owns(vbucket_of(docid.encode(), self.source.num_vbuckets))
+
     async def append(self, documents: Sequence[Document]) -> list[tuple[int, int]]:
-        """Append (one synced batch, off the event loop); the (vbucket, seqno) of each document."""
+        """Append (one synced batch, off the event loop); the (vbucket, seqno) of each document.
+
+        A peer router (`--vbuckets`) keeps only its vbuckets' documents: the others are its
+        peers' (each reads the same input), counted in `foreign` and left out."""
+        if self.source.vbuckets is not None:
+            kept = [d for d in documents if self.owns(d.docid)]
+            self.foreign += len(documents) - len(kept)
+            documents = kept
         if not documents:
             return []
         async with self.lock:
@@ -280,6 +292,11 @@ async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None
                 continue
             if not follow:
                 log.info("read %d documents from %s", total, where)
+                if appender.foreign:
+                    log.info(
+                        "%d of the input's documents are in other routers' vbuckets: left to them",
+                        appender.foreign,
+                    )
                 return
             await trio.sleep(POLL_S)
             size = (await trio.to_thread.run_sync(os.stat, path)).st_size
@@ -592,6 +609,14 @@ class DocsApi:
                 with_absolute_expiry(document, 0.0)
             except DocumentError as exc:
                 return 400, {"error": str(exc)}
+        if not self.appender.owns(docid):
+            source = self.appender.source
+            assert source.vbuckets is not None
+            return 421, {
+                "error": f"document {docid!r} is in vbucket "
+                f"{vbucket_of(docid.encode(), source.num_vbuckets)}, not among this router's "
+                f"{describe_vbuckets(source.vbuckets)}: send it to the router that owns it"
+            }
         ((vbucket, seqno),) = await self.appender.append([document])
         return 200, {"vbucket": vbucket, "seqno": seqno}
 
@@ -602,6 +627,8 @@ class DocsApi:
         after the chosen seqno discarded; every node handshakes again and may roll back."""
         if not vbucket_text.isdigit():
             return 400, {"error": f"the vbucket must be a number, not {vbucket_text!r}"}
+        if not self.appender.source.owns(int(vbucket_text)):
+            return 421, {"error": f"vbucket {vbucket_text} is not among this router's"}
         body, error = await read_body(receive)
         if error is not None:
             return error
@@ -631,6 +658,10 @@ class DocsApi:
         return {
             "version": self.version,
             "uptime_s": round(time.time() - self.started_at, 3),
+            "source_id": source.identity,
+            # A peer's range of vbuckets (null: all), and the input documents left to its peers.
+            "vbuckets": None if source.vbuckets is None else describe_vbuckets(source.vbuckets),
+            "foreign_documents": self.appender.foreign,
             "mutation_manager": dataclasses.asdict(self.appender.mm.stats()),
             "nodes": {
                 name: dataclasses.asdict(progress) for name, progress in self.nodes.progress.items()

@@ -8,6 +8,7 @@ One LevelDB database in the router's state directory (`STATE_DIR`):
     b"y" + docid                         -> expiry (u64) of the document's latest version
     b"\\x00meta:num_vbuckets"            -> the number of vbuckets, fixed at creation
     b"\\x00meta:source"                  -> the log's identity (a UUID), made at creation
+    b"\\x00meta:owned_vbuckets"          -> JSON list: the vbuckets of a peer router (else all)
 
 The identity names this history, as a Couchbase bucket UUID does: every handshake carries it,
 and a node indexes the history of one source only (another log, even one with the same
@@ -41,6 +42,7 @@ STATE_DIR = "source"
 DEFAULT_NUM_VBUCKETS = 1024
 _META_VBUCKETS = b"\x00meta:num_vbuckets"
 _META_SOURCE = b"\x00meta:source"
+_META_OWNED = b"\x00meta:owned_vbuckets"
 _RECORD = b"s"
 _VBUCKET = b"v"
 _VB = struct.Struct(">H")
@@ -55,6 +57,20 @@ SOURCE_WRITE_BUFFER = 32 << 20
 
 FailoverLog = tuple[tuple[int, int], ...]
 """(vbuuid, seqno) entries of one vbucket, newest first."""
+
+
+def describe_vbuckets(vbuckets: tuple[int, ...]) -> str:
+    """Vbucket numbers as "first-last" ranges, for one line of a message."""
+    parts: list[str] = []
+    run: list[int] = []
+    for vb in [*vbuckets, -2]:
+        if run and vb == run[-1] + 1:
+            run.append(vb)
+            continue
+        if run:
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [vb]
+    return "vbuckets " + ",".join(parts)
 
 
 class SourceError(Exception):
@@ -147,6 +163,8 @@ class SourceLog:
         num_vbuckets: int | None = None,
         create: bool = True,
         compaction_nice: int = 0,
+        identity: str | None = None,
+        vbuckets: tuple[int, ...] | None = None,
     ) -> None:
         path = state_dir / STATE_DIR
         if not path.is_dir():
@@ -161,8 +179,10 @@ class SourceLog:
         start_compaction_thread(self.db, compaction_nice)  # the log compacts as it grows
         try:
             self.num_vbuckets = self._check_vbuckets(num_vbuckets)
-            self.identity = self._identity()
             self._vbuckets = self._load_vbuckets()
+            self.identity = self._identity(identity)
+            self.vbuckets = self._owned(vbuckets)
+            self._owns = None if self.vbuckets is None else frozenset(self.vbuckets)
             # docid -> expiry of its latest version, for the documents that have one.
             self._pending = {
                 key[1:].decode(): _TIME.unpack(value)[0]
@@ -188,14 +208,50 @@ class SourceLog:
             raise SourceError(f"the source log in {self.path} has {count} vbuckets, not {wanted}")
         return count
 
-    def _identity(self) -> str:
-        """The log's source identity, made (a random UUID) the first time it is asked for."""
+    def _identity(self, wanted: str | None) -> str:
+        """The log's source identity: `wanted` (the one its peers share) or a random UUID,
+        fixed the first time it is asked for."""
         stored = self.db.get(_META_SOURCE)
         if stored is not None:
-            return str(stored.decode())
-        identity = uuid.uuid4().hex
+            identity = str(stored.decode())
+            if wanted is not None and wanted != identity:
+                raise SourceError(
+                    f"the source log in {self.path} has source id {identity}, not {wanted}"
+                )
+            return identity
+        identity = wanted or uuid.uuid4().hex
         self.db.put(_META_SOURCE, identity.encode(), sync=True)
         return identity
+
+    def _owned(self, wanted: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The vbuckets this log's router owns (None: all), fixed when the log is made: peers
+        (`indexer router --vbuckets`) each own a range of one source."""
+        stored = self.db.get(_META_OWNED)
+        if stored is None:
+            if wanted is not None:
+                if any(not 0 <= vb < self.num_vbuckets for vb in wanted):
+                    raise SourceError(f"vbuckets must be in 0..{self.num_vbuckets - 1}")
+                if self._vbuckets and any(vb not in wanted for vb in self._vbuckets):
+                    raise SourceError(
+                        f"the source log in {self.path} has history outside those vbuckets"
+                    )
+                self.db.put(_META_OWNED, json.dumps(list(wanted)).encode(), sync=True)
+            return wanted
+        owned = tuple(json.loads(stored))
+        if wanted is not None and wanted != owned:
+            raise SourceError(
+                f"the source log in {self.path} owns {describe_vbuckets(owned)}, "
+                f"not {describe_vbuckets(wanted)}"
+            )
+        return owned
+
+    def owns(self, vbucket: int) -> bool:
+        """Whether documents of this vbucket are this router's (all are without a range)."""
+        return self._owns is None or vbucket in self._owns
+
+    def streamed_vbuckets(self) -> tuple[int, ...]:
+        """The vbuckets this router asks its nodes for: its range, or all."""
+        return tuple(range(self.num_vbuckets)) if self.vbuckets is None else self.vbuckets
 
     def _load_vbuckets(self) -> dict[int, _Vbucket]:
         out = {}

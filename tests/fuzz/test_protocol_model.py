@@ -707,18 +707,27 @@ class FeedMachine(RuleBasedStateMachine):
         ),
     )
     def other_connection(self, data: st.DataObject, kind: str) -> None:
-        """A second connection that breaks a rule (STREAM_BEGIN of a vbucket this connection
-        streams, a bad HANDSHAKE): refused, and this connection goes on untouched. With no
-        stream to collide with, "stream exists" sends a first frame that is not a HANDSHAKE."""
+        """A second connection that breaks a rule (a HANDSHAKE or STREAM_BEGIN claiming a
+        vbucket this connection streams, a bad HANDSHAKE): refused, and this connection goes
+        on untouched. With no stream to collide with, "stream exists" sends a first frame
+        that is not a HANDSHAKE."""
         other = Link(self.daemon)
         try:
             if kind == "stream exists" and self.begun() and self.barrier_answerable():
                 self.answered_barrier()  # the daemon has taken this connection's begins
                 v = data.draw(st.sampled_from(self.begun()), label="vbucket")
+                # Claimed in the handshake: refused there, before anything of it is used.
                 other.send(p.encode(p.Handshake("other-router", NUM_VBUCKETS, (v.number,))))
-                assert isinstance(other.next(), p.HandshakeReply)
-                other.send(p.encode(p.StreamBegin(v.number, 1)))
                 self.expect_error(other, ErrorCode.STREAM_EXISTS)
+                # Not claimed, then begun: refused at the STREAM_BEGIN.
+                late = Link(self.daemon)
+                try:
+                    late.send(p.encode(p.Handshake("late-router", NUM_VBUCKETS, ())))
+                    assert isinstance(late.next(), p.HandshakeReply)
+                    late.send(p.encode(p.StreamBegin(v.number, 1)))
+                    self.expect_error(late, ErrorCode.STREAM_EXISTS)
+                finally:
+                    late.close()
                 return
             body = {
                 "other num_vbuckets": b'{"num_vbuckets":512,"vbuckets":[]}',

@@ -220,10 +220,14 @@ def test_recent_documents_are_bounded_forgotten_on_failover_and_change_nothing(
     from indexer.router.node_stream import RecentDocuments
 
     recent = RecentDocuments(capacity=3)
-    recent.add([(0, 1), (0, 2), (1, 1), (1, 2)], [Document(f"d{i}", {"i": i}) for i in range(4)])
+    recent.add([(0, 1), (0, 2)], [Document(f"d{i}", {"i": i}) for i in range(2)])
+    recent.add([(1, 1), (1, 2)], [Document(f"d{i}", {"i": i}) for i in range(2, 4)])
     assert recent.get(0, 1) is None and recent.get(1, 2) == Document("d3", {"i": 3})
     recent.forget(1)
     assert recent.get(1, 1) is None and recent.get(0, 2) == Document("d1", {"i": 1})
+    # The whole latest append stays, however big: the streams read it next.
+    recent.add([(2, s) for s in range(1, 6)], [Document(f"e{i}", {"i": i}) for i in range(5)])
+    assert recent.get(0, 2) is None and recent.get(2, 1) == Document("e0", {"i": 0})
     # Streams with and without the parsed documents at hand send the same frames.
     mm = MutationManager(capacity=1 << 30)
     recent = RecentDocuments()

@@ -21,11 +21,14 @@ def mutations(vb: int, seqnos: list[int], nkeys: int = 1) -> p.MutationBatch:
 
 
 def connection(
-    registry: StreamRegistry | None = None, conn_id: int = 1, owned: range = range(8)
+    registry: StreamRegistry | None = None,
+    conn_id: int = 1,
+    owned: range = range(8),
+    asks: tuple[int, ...] = tuple(range(N)),
 ) -> Connection:
     registry = registry or StreamRegistry(list(owned), [0] * N)
     conn = Connection(conn_id, registry, nkeys=1)
-    assert conn.accept(p.Handshake("r", N, tuple(range(N)))) is None
+    assert conn.accept(p.Handshake("r", N, asks)) is None
     return conn
 
 
@@ -131,12 +134,28 @@ def test_key_count_must_match_the_indexes() -> None:
 
 def test_one_connection_per_vbucket_until_released() -> None:
     registry = StreamRegistry(range(N), [0] * N)
-    first = connection(registry, 1)
-    second = connection(registry, 2)
+    first = connection(registry, 1, asks=())
+    second = connection(registry, 2, asks=())
     first.accept(p.StreamBegin(4, 1))
     assert refused(second, p.StreamBegin(4, 1)) is ErrorCode.STREAM_EXISTS
     first.release()
     assert second.accept(p.StreamBegin(4, 1)) == p.StreamBegin(4, 1)
+
+
+def test_a_handshake_claims_its_vbuckets_and_a_claim_on_them_is_refused() -> None:
+    registry = StreamRegistry(range(N), [0] * N)
+    low = connection(registry, 1, asks=(0, 1, 2))
+    high = connection(registry, 2, asks=(3, 4))  # disjoint: both served
+    assert refused(low, p.SnapshotMarker(1, 1, 1)) is ErrorCode.STREAM_NOT_BEGUN  # claimed only
+    overlapping = Connection(3, registry, nkeys=1)
+    assert refused(overlapping, p.Handshake("r", N, (2, 5))) is ErrorCode.STREAM_EXISTS
+    assert overlapping.handshake is None and registry.owner[5] is None  # nothing of it used
+    assert refused(connection(registry, 4, asks=()), p.StreamBegin(3, 1)) is (
+        ErrorCode.STREAM_EXISTS
+    )
+    low.release()
+    assert connection(registry, 5, asks=(2, 5)).claimed == {2, 5}
+    high.release()
 
 
 def test_resent_mutations_at_or_below_what_was_received_are_skipped() -> None:

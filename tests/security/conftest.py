@@ -98,9 +98,9 @@ class RawFeed:
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def handshake(self, token: str = "") -> p.Message:
-        """Send HANDSHAKE (every vbucket) and return the daemon's answer."""
-        self.send(p.encode(p.Handshake("raw-test", 1024, tuple(range(1024)), token=token)))
+    def handshake(self, token: str = "", vbuckets: range = range(1024)) -> p.Message:
+        """Send HANDSHAKE (every vbucket, by default) and return the daemon's answer."""
+        self.send(p.encode(p.Handshake("raw-test", 1024, tuple(vbuckets), token=token)))
         return self.read()
 
     def read(self) -> p.Message:

@@ -64,8 +64,9 @@ def test_connections_over_the_limit_and_silent_ones_are_closed(
         limits={"max_feed_connections": 2, "handshake_timeout_ms": 1000}
     ).start()
     first, second = RawFeed(daemon.port), RawFeed(daemon.port)
-    assert isinstance(first.handshake(), p.HandshakeReply)
-    assert isinstance(second.handshake(), p.HandshakeReply)
+    # Disjoint vbuckets: a node refuses a second claim on a vbucket (STREAM_EXISTS).
+    assert isinstance(first.handshake(vbuckets=range(512)), p.HandshakeReply)
+    assert isinstance(second.handshake(vbuckets=range(512, 1024)), p.HandshakeReply)
     third = RawFeed(daemon.port)
     error = third.error()  # at once, without sending anything
     assert error.code is p.ErrorCode.TOO_MANY_CONNECTIONS
@@ -91,7 +92,7 @@ def test_connections_over_the_limit_and_silent_ones_are_closed(
     silent.close()
     wait_log(daemon, "no HANDSHAKE within 1 s of connecting (limits.handshake_timeout_ms)")
     fourth = RawFeed(daemon.port)
-    assert isinstance(fourth.handshake(), p.HandshakeReply)
+    assert isinstance(fourth.handshake(vbuckets=range(512)), p.HandshakeReply)  # first's
     for feed in (second, fourth):
         feed.close()
     assert daemon.stop() == 0
