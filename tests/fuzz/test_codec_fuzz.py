@@ -73,8 +73,9 @@ def run(chunks: list[bytes], max_frame: int = p.DEFAULT_MAX_FRAME_BYTES) -> Outc
         except ProtocolError as exc:
             error = exc.code
             break
-        # Only one incomplete frame is ever held back, and never more than the limit allows.
-        assert decoder.buffered <= max_frame + 3
+        # Only one incomplete frame is ever held back, and never more than the limit allows
+        # (a handshake's limit is at least MAX_HANDSHAKE_BYTES).
+        assert decoder.buffered <= max(max_frame, p.MAX_HANDSHAKE_BYTES) + 3
     at_close: ErrorCode | None = None
     if error is None:
         try:
