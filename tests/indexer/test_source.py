@@ -416,3 +416,28 @@ def test_input_lines_are_stored_as_read_and_read_back_as_parsed(tmp_path: Path) 
     assert stored == parsed
     assert [d.docid for d in stored] == ["7", "e", "d", "k"]
     assert stored[2].body is None and stored[3].body == {"kept": 1}
+
+
+def test_the_identity_and_a_peers_range_are_fixed_when_the_log_is_made(tmp_path: Path) -> None:
+    from indexer.router.source import SourceError
+
+    with SourceLog(tmp_path / "a", 16) as log:
+        made = log.identity
+        assert len(made) == 32 and log.vbuckets is None and log.owns(15)
+    with SourceLog(tmp_path / "a") as log:
+        assert log.identity == made  # kept, not made again
+    with pytest.raises(SourceError, match=f"has source id {made}, not"):
+        SourceLog(tmp_path / "a", identity="f" * 32)
+    shared = "ab" * 16
+    with SourceLog(tmp_path / "peer", 16, identity=shared, vbuckets=(0, 1, 2, 3)) as log:
+        assert log.identity == shared and log.streamed_vbuckets() == (0, 1, 2, 3)
+        assert log.owns(3) and not log.owns(4)
+    with SourceLog(tmp_path / "peer") as log:  # reopened without the options: as made
+        assert log.vbuckets == (0, 1, 2, 3)
+    with pytest.raises(SourceError, match="owns vbuckets 0-3, not vbuckets 0-7"):
+        SourceLog(tmp_path / "peer", vbuckets=tuple(range(8)))
+    # A log with history outside a range cannot become a peer of that range.
+    with SourceLog(tmp_path / "b", 16) as log:
+        log.append([Document(f"d{i}", {"i": i}) for i in range(40)])
+    with pytest.raises(SourceError, match="history outside those vbuckets"):
+        SourceLog(tmp_path / "b", vbuckets=(0,))
