@@ -854,12 +854,14 @@ def _http_error(response: Any) -> NoReturn:
     fail(f"HTTP {response.status_code}: {message}")
 
 
-def _get_json(api: Api, path: str, **params: Any) -> Any:
+def _get_json(
+    api: Api, path: str, params: dict[str, Any] | None = None, timeout: float = 30
+) -> Any:
     import httpx
 
     try:
         response = httpx.get(
-            api.base + path, params=params, timeout=30, headers=api.headers, verify=api.verify
+            api.base + path, params=params, timeout=timeout, headers=api.headers, verify=api.verify
         )
     except httpx.HTTPError as exc:
         fail(f"cannot reach the daemon at {api.base}: {exc}")
@@ -1283,22 +1285,9 @@ def count(
     """
     _index_name(name)
     params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
-    import httpx
-
-    api = daemon.connect()
-    try:
-        response = httpx.get(
-            f"{api.base}/indexes/{name}/count",
-            params=params,
-            timeout=timeout + 30,  # the daemon answers 504 after `timeout`
-            headers=api.headers,
-            verify=api.verify,
-        )
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach the daemon at {api.base}: {exc}")
-    if response.status_code != 200:
-        _http_error(response)
-    click.echo(response.json()["count"])
+    # The daemon answers 504 after `timeout`: the client waits a little longer.
+    answer = _get_json(daemon.connect(), f"/indexes/{name}/count", params, timeout + 30)
+    click.echo(answer["count"])
 
 
 @main.command()
