@@ -41,19 +41,20 @@ def _has_long_digits(text: str | bytes) -> bool:
     return _LONG_RUN in text.translate(_DIGITS_TO_ZEROS)
 
 
-def json_loads(text: str | bytes) -> Any:
+def json_loads(text: str | bytes, **hooks: Any) -> Any:
     """Parse JSON as `json.loads` does, with orjson's speed where the two agree.
 
     orjson refuses some of what the standard library accepts (NaN, lone surrogates) and reads
     integers beyond 64 bits as floats: a text with a run of 19 digits, or one orjson refuses,
-    goes to the standard library, so nothing parses differently.
+    goes to the standard library (with `hooks`, its parse_* arguments), so nothing parses
+    differently.
     """
     if not _has_long_digits(text):
         try:
             return orjson.loads(text)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(text)
+    return json.loads(text, **hooks)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -117,13 +118,8 @@ def loads_document(text: str | bytes) -> Any:
 
 
 def _loads_checked(text: str | bytes) -> Any:
-    if not _has_long_digits(text):
-        try:
-            return orjson.loads(text)
-        except orjson.JSONDecodeError:
-            pass
     try:
-        return json.loads(
+        return json_loads(
             text, parse_constant=_refuse_constant, parse_float=_finite_float, parse_int=_key_int
         )
     except RecursionError:
