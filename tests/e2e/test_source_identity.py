@@ -27,15 +27,20 @@ def feed_state(state: Path, jsonl: Path, address: str) -> subprocess.CompletedPr
     )
 
 
+def loaded(daemon_factory: Any, tmp_path: Path, workload: Workload) -> tuple[Any, list[Any], str]:
+    """A daemon that `indexer feed --state` loaded: it, the documents and its source."""
+    daemon = daemon_factory().start()
+    documents = list(generate(workload))
+    fed = feed_state(tmp_path / "a", write_jsonl(tmp_path / "a.jsonl", documents), daemon.address)
+    assert fed.returncode == 0, fed.stderr
+    wait_equal(daemon, documents)
+    return daemon, documents, daemon_stats(daemon)["source"]
+
+
 def test_a_router_of_another_source_is_refused_and_nothing_is_rolled_back(
     daemon_factory: Any, routers: Any, tmp_path: Path
 ) -> None:
-    daemon = daemon_factory().start()
-    first = list(generate(Workload(3_000, 900, 0.1, 1)))
-    fed = feed_state(tmp_path / "a", write_jsonl(tmp_path / "a.jsonl", first), daemon.address)
-    assert fed.returncode == 0, fed.stderr
-    wait_equal(daemon, first)
-    source = daemon_stats(daemon)["source"]
+    daemon, first, source = loaded(daemon_factory, tmp_path, Workload(3_000, 900, 0.1, 1))
     assert re.fullmatch(r"[0-9a-f]{32}", source), source
     # A fresh router state is another source, though its documents overlap.
     second = list(generate(Workload(2_000, 900, 0.1, 2)))
@@ -94,12 +99,7 @@ def test_a_stateless_feed_is_refused_by_a_node_that_a_router_feeds(
 def test_adopt_source_takes_a_node_over_explicitly(
     daemon_factory: Any, routers: Any, tmp_path: Path
 ) -> None:
-    daemon = daemon_factory().start()
-    old = list(generate(Workload(2_000, 700, 0.1, 11)))
-    fed = feed_state(tmp_path / "a", write_jsonl(tmp_path / "a.jsonl", old), daemon.address)
-    assert fed.returncode == 0, fed.stderr
-    wait_equal(daemon, old)
-    old_source = daemon_stats(daemon)["source"]
+    daemon, old, old_source = loaded(daemon_factory, tmp_path, Workload(2_000, 700, 0.1, 11))
     assert daemon.stop() == 0
     daemon.args = ["--adopt-source"]
     daemon.start()
