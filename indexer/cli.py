@@ -630,6 +630,18 @@ def _feed_state(
     help="The source identity to create --state with (32 hex digits): peer routers of one "
     "source share it. Default: a new one.",
 )
+@click.option(
+    "--shards",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    metavar="K",
+    help="Run as K processes, each owning a contiguous range of vbuckets with its own source "
+    "log, memory and node connections; this process reads the input and serves --http. Fixed "
+    "when --state is created.",
+)
+@click.option("--parent-pipe", is_flag=True, hidden=True)  # a shard: input from the parent
+@click.option("--process-name", hidden=True)  # a shard: its name in log lines
 @TOKEN_OPTION
 @TOKEN_FILE_OPTION
 @TLS_OPTION
@@ -651,6 +663,9 @@ def router(
     vbucket_range: str | None,
     source_id: str | None,
     cluster_map: Path | None,
+    shards: int,
+    parent_pipe: bool,
+    process_name: str | None,
     token: str | None,
     token_file: Path | None,
     tls: bool,
@@ -666,6 +681,7 @@ def router(
     \b
       indexer router --state router --to 127.0.0.1:9105 --jsonl docs.jsonl --follow
       indexer router --state router --cluster-map cluster.toml --http 127.0.0.1:9110
+      indexer router --state router --shards 2 --to 127.0.0.1:9105 --jsonl docs.jsonl
     """
     from indexer.logs import configure as configure_logging
     from indexer.router import SourceError, SourceLog, Workload
@@ -701,7 +717,28 @@ def router(
             http = _address(http_address, allow_zero=True)  # port 0: any free port
         except click.BadParameter as exc:
             fail(f"--http: {exc.message}", 2)
-    configure_logging(log_level or "info", log_format)
+    if source_id is not None and not re.fullmatch(r"[0-9a-f]{32}", source_id):
+        fail(f"--source-id: {source_id!r} is not 32 lowercase hex digits", 2)
+    if parent_pipe and http is None:
+        fail("--parent-pipe needs --http", 2)
+    configure_logging(log_level or "info", log_format, process=process_name)
+    if shards > 1:
+        if vbucket_range is not None:
+            fail("--shards splits all the vbuckets: peers with --vbucket-range run one each", 2)
+        shard_args = [
+            *(arg for address in addresses for arg in ("--to", f"{address[0]}:{address[1]}")),
+            *(["--cluster-map", str(cluster_map)] if cluster_map is not None else []),
+            "--memory-mb", str(memory_mb),
+            "--log-level", log_level or "info",
+            "--log-format", log_format,
+            *(["--tls"] if tls else []),
+            *(["--tls-ca", str(tls_ca)] if tls_ca is not None else []),
+        ]  # fmt: skip
+        _run_shards(
+            state, shards, vbuckets, source_id, shard_args, _token(token, token_file),
+            memory_mb, jsonl, follow, workload, rate, http,
+        )  # fmt: skip
+        return
     options = RouterOptions(
         addresses,
         jsonl,
@@ -712,9 +749,8 @@ def router(
         rate=rate,
         cluster_map=cluster_map,
         security=_feed_security(token, token_file, tls, tls_ca),
+        parent_pipe=parent_pipe,
     )
-    if source_id is not None and not re.fullmatch(r"[0-9a-f]{32}", source_id):
-        fail(f"--source-id: {source_id!r} is not 32 lowercase hex digits", 2)
     try:
         log = SourceLog(
             state,
@@ -732,6 +768,59 @@ def router(
             fail(str(exc))
         except KeyboardInterrupt:
             fail("interrupted during start-up", 130)
+
+
+def _run_shards(
+    state: Path,
+    count: int,
+    vbuckets: int | None,
+    source_id: str | None,
+    shard_args: list[str],
+    token: str | None,
+    memory_mb: float,
+    jsonl: Path | None,
+    follow: bool,
+    workload: Any,
+    rate: float | None,
+    http: tuple[str, int] | None,
+) -> None:
+    """`indexer router --shards K`: this process starts the shards and feeds them."""
+    from indexer.router import SourceError
+    from indexer.router.shards import (
+        ShardedOptions,
+        ShardStartError,
+        lock_state,
+        open_layout,
+        run_sharded_router,
+    )
+
+    try:
+        layout = open_layout(state, count, vbuckets, source_id)
+        lock = lock_state(state)
+    except SourceError as exc:
+        fail(str(exc))
+    options = ShardedOptions(
+        state,
+        layout,
+        shard_args,
+        int(memory_mb * (1 << 20)),
+        jsonl,
+        follow,
+        workload,
+        rate,
+        http,
+        env={} if token is None else {TOKEN_ENV: token},
+    )
+    try:
+        trio.run(run_sharded_router, options)
+    except ShardStartError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted during start-up", 130)
+    finally:
+        os.close(lock)
 
 
 def _vbucket_range(value: str | None, count: int | None) -> tuple[int, ...] | None:

@@ -7,8 +7,8 @@ slowed them whatever the daemon did (docs/performance.md). The router now only r
 stored bytes (cheap, in C) and sends them here; this process, niced by `BUILD_NICENESS`, turns
 them into the frames of the build stream, and takes what CPU the machine leaves.
 
-The pipe between the two carries length-prefixed messages (`encode_message`, `MessageReader`:
-sans-IO, testable without a process):
+The pipe between the two carries length-prefixed messages (`pipe.py`: sans-IO, testable without
+a process):
 
     SETUP   JSON {"indexes": [{"name", "keys", "where"}], "batch_bytes", "batch_records"}
     CHUNKS  u32 n, n x chunk: u16 vbucket, u64 start, u64 end, u32 count,
@@ -38,12 +38,12 @@ import trio
 from indexer import protocol as p
 from indexer.router.chunks import EncodedChunk, RawChunk, latest_documents, snapshot_frames
 from indexer.router.feed import FeedError, RecordEncoder
+from indexer.router.pipe import MessageReader, PipeError, encode_message
 
 BUILD_NICENESS = 10
 """How much lower than the router the encoder runs (os.nice): maintenance comes first."""
 
 SETUP, CHUNKS, PIECES, FAILED = 1, 2, 3, 4
-_HEAD = struct.Struct(">IB")  # length of what follows the length, kind
 _CHUNK = struct.Struct(">HQQI")
 _VERSION = struct.Struct(">QI")
 _COUNT = struct.Struct(">I")
@@ -51,36 +51,8 @@ _PIECES = struct.Struct(">II")
 _PIECE = struct.Struct(">II")
 
 
-class EncoderError(Exception):
-    """The pipe carried something malformed (a bug on one side: both are this module)."""
-
-
-def encode_message(kind: int, body: bytes) -> bytes:
-    return _HEAD.pack(len(body) + 1, kind) + body
-
-
-class MessageReader:
-    """Bytes of the pipe in, (kind, body) out (sans-IO)."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes | bytearray) -> None:
-        self._buffer += data
-
-    def next(self) -> tuple[int, bytes] | None:
-        buffer = self._buffer
-        if len(buffer) < _HEAD.size:
-            return None
-        length, kind = _HEAD.unpack_from(buffer)
-        if length < 1:
-            raise EncoderError(f"a message of length {length}")
-        end = 4 + length
-        if len(buffer) < end:
-            return None
-        body = bytes(buffer[_HEAD.size : end])
-        del buffer[:end]
-        return kind, body
+# A malformed message on the pipe (the name its users know).
+EncoderError = PipeError
 
 
 def encode_setup(

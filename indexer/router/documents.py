@@ -182,3 +182,28 @@ def read_jsonl(path: Path) -> Iterator[Document]:
                 raise DocumentError(f"{path}:{number}: not UTF-8") from None
             if line.strip():
                 yield parse_line(line, f"{path}:{number}", raw.strip())
+
+
+_ID_PREFIX = b'{"id":"'
+
+
+def routing_id(line: bytes) -> bytes | None:
+    """The document id of an input line, as `vbucket_of` takes it; None if the line has none
+    (it is bad: whoever parses it in full reports why).
+
+    A line that starts `{"id":"` with one "id" in it and no escape in the id is read without a
+    parse (the router's own output, and most writers'); any other line is parsed, so the id is
+    always the one `parse_line` finds.
+    """
+    if line.startswith(_ID_PREFIX):
+        end = line.find(b'"', 7)
+        if end > 7 and line.find(b"\\", 7, end) < 0 and line.count(b'"id"') == 1:
+            return line[7:end]
+    try:
+        item = json_loads(line)
+    except ValueError:
+        return None
+    docid = item.get("id") if isinstance(item, dict) else None
+    if isinstance(docid, bool) or not isinstance(docid, str | int) or docid == "":
+        return None
+    return str(docid).encode()

@@ -20,7 +20,6 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +29,11 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from indexer import protocol as p
 from indexer.collector import CollectorPauses, rare_collections
 from indexer.metrics import process_started_at, version
+from indexer.router.appender import READ_BYTES, Appender, append_bytes, parse_lines
 from indexer.router.documents import (
     Document,
     DocumentError,
     loads_document,
-    parse_line,
     vbucket_of,
 )
 from indexer.router.expiry import with_absolute_expiry
@@ -44,26 +43,15 @@ from indexer.router.mutations import MutationManager
 from indexer.router.node_stream import (
     MaintenanceFirst,
     NodeProgress,
-    RecentDocuments,
-    SharedFrames,
     follow_memory,
 )
+from indexer.router.shard_input import follow_parent_stdio
 from indexer.router.source import SourceError, SourceLog, describe_vbuckets
-from indexer.router.workload import Workload, generate
+from indexer.router.workload import Workload, generate, paced
 
 log = logging.getLogger("indexer.router")
 
 ROUTER_NAME = "indexer-router"
-READ_BYTES = 1 << 20  # of the JSONL input per read (parsed while the loop serves others)
-MAX_APPEND_BYTES = 8 << 20  # of the JSONL input appended as one synced batch, at most
-
-
-def append_bytes(capacity: int) -> int:
-    """Input bytes per append: up to an eighth of the Mutation Manager's cap (a batch beyond it
-    would drop every cursor at once), from one read to MAX_APPEND_BYTES."""
-    return max(READ_BYTES, min(MAX_APPEND_BYTES, capacity // 8))
-GENERATE_BATCH = 10_000  # generated documents appended as one synced batch
-RATE_TICK_S = 0.05  # a rate-limited generator appends what is due this often
 POLL_S = 0.2  # how often a followed file at its end is looked at again
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
@@ -93,6 +81,8 @@ class RouterOptions:
     cluster_map: Path | None = None  # the nodes come from this map, re-read as it changes
     # The nodes' shared token (in every handshake) and TLS context (None: plain TCP).
     security: FeedSecurity = field(default_factory=FeedSecurity)
+    # A shard of `indexer router --shards`: the input is the parent's, on stdin (needs `http`).
+    parent_pipe: bool = False
 
 
 class LineSplitter:
@@ -118,138 +108,6 @@ class LineSplitter:
             self.number += 1
             out.append((self.number, line))
         return out
-
-
-def parse_lines(lines: Sequence[tuple[int, bytes]], where: str) -> tuple[list[Document], list[str]]:
-    """The documents of numbered JSONL lines, and one message per bad line; blanks skipped."""
-    documents = []
-    errors = []
-    for number, raw in lines:
-        try:
-            text = raw.decode("utf-8")
-            if text.strip():
-                document = parse_line(text, f"{where}:{number}", raw.strip())
-                try:
-                    with_absolute_expiry(document, 0.0)  # a bad `_exp` is a bad line
-                except DocumentError as exc:
-                    raise DocumentError(f"{where}:{number}: {exc}") from None
-                documents.append(document)
-        except UnicodeDecodeError:
-            errors.append(f"{where}:{number}: not UTF-8")
-        except DocumentError as exc:
-            errors.append(str(exc))
-    return documents, errors
-
-
-class Appender:
-    """Appends documents to the source log, then to the Mutation Manager, one batch at a time,
-    and wakes who waits for more."""
-
-    def __init__(self, source: SourceLog, mm: MutationManager) -> None:
-        self.source = source
-        self.mm = mm
-        self.recent = RecentDocuments()
-        self.frames = SharedFrames()  # snapshots encoded once for nodes that agree
-        self.lock = trio.Lock()
-        self._changed = trio.Event()
-        self.dropped = 0  # cursors dropped over the memory cap
-        self.input_waiting = False  # an input has more to append than it has read
-        self.expired = 0  # documents deleted by the expiry pager
-        self.foreign = 0  # input documents of other routers' vbuckets, left to them
-
-    def next_change(self) -> trio.Event:
-        """The event the next append sets."""
-        return self._changed
-
-    def owns(self, docid: str) -> bool:
-        """Whether the document's vbucket is this router's (a peer owns a range of them)."""
-        return self.source.owns(vbucket_of(docid.encode(), self.source.num_vbuckets))
-
-    async def append(self, documents: Sequence[Document]) -> list[tuple[int, int]]:
-        """Append (one synced batch, off the event loop); the (vbucket, seqno) of each document.
-
-        A peer router (`--vbuckets`) keeps only its vbuckets' documents: the others are its
-        peers' (each reads the same input), counted in `foreign` and left out."""
-        if self.source.vbuckets is not None:
-            kept = [d for d in documents if self.owns(d.docid)]
-            self.foreign += len(documents) - len(kept)
-            documents = kept
-        if not documents:
-            return []
-        async with self.lock:
-            positions = await self._append_locked(documents)
-        self.wake()
-        return positions
-
-    async def _append_locked(self, documents: Sequence[Document]) -> list[tuple[int, int]]:
-        # The log's in-memory state changes in one step after the batch is written, so the
-        # streaming tasks read either the log before this batch or after it. The manager
-        # only gets what the log holds: a dropped cursor finds everything there.
-        positions, documents, payloads = await trio.to_thread.run_sync(self._append, documents)
-        write = self.mm.write
-        self.recent.add(positions, documents)
-        for (vb, seqno), document, payload in zip(positions, documents, payloads, strict=True):
-            for backfill in write(vb, seqno, document.docid.encode(), payload):
-                self.dropped += 1
-                log.info(
-                    "%s fell behind on vbucket %d: it reads the source log from seqno %d",
-                    backfill.consumer,
-                    backfill.vbucket,
-                    backfill.after + 1,
-                )
-        return positions
-
-    def wake(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    def _append(
-        self, documents: Sequence[Document]
-    ) -> tuple[list[tuple[int, int]], list[Document], list[bytes | None]]:
-        """Append (blocking): each document's position, its stored form and its payload."""
-        n = self.source.num_vbuckets
-        now = time.time()
-        # Stored with an absolute `_exp`: the manager's payloads must match the log.
-        documents = [with_absolute_expiry(d, now) for d in documents]
-        highs: dict[int, int] = {}
-        positions = []
-        for document in documents:
-            vb = vbucket_of(document.docid.encode(), n)
-            seqno = highs.get(vb, self.source.high_seqno(vb)) + 1
-            highs[vb] = seqno
-            positions.append((vb, seqno))
-        encoded: list[bytes] = []
-        self.source.append(documents, now, encoded)
-        payloads = [
-            None if d.body is None else value for d, value in zip(documents, encoded, strict=True)
-        ]
-        return positions, documents, payloads
-
-    async def expire(self) -> int:
-        """Delete the documents whose expiry has passed (the expiry pager's step); how many.
-
-        Under the append lock: what is due is judged on the latest version of each document.
-        """
-        async with self.lock:
-            due = await trio.to_thread.run_sync(self.source.due_expiries, time.time())
-            if due:
-                await self._append_locked([Document(docid, None) for docid in due])
-                self.expired += len(due)
-        if due:
-            self.wake()
-            log.info("expired %d documents", len(due))
-        return len(due)
-
-    async def failover(self, vbucket: int, seqno: int | None) -> tuple[int, int]:
-        """Fail the vbucket's source over at `seqno` (default: its high seqno); (vbuuid, seqno).
-
-        The manager forgets the vbucket; the caller makes the nodes handshake again.
-        """
-        async with self.lock:
-            vbuuid, at = await trio.to_thread.run_sync(self.source.failover, vbucket, seqno)
-            self.mm.reset_vbucket(vbucket, at)
-            self.recent.forget(vbucket)  # its seqnos after `at` will name other documents
-        return vbuuid, at
 
 
 async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None:
@@ -331,23 +189,13 @@ async def expire_documents(appender: Appender) -> None:
 
 
 async def generate_input(workload: Workload, rate: float | None, appender: Appender) -> None:
-    """Append the workload's documents: in batches as fast as the log takes them, or about
-    `rate` per second in small batches (a steady feed for demos and benchmarks)."""
-    documents = generate(workload)
-    started = trio.current_time()
+    """Append the workload's documents (`workload.paced`: as fast as the log takes them, or
+    about `rate` per second)."""
     total = 0
-    while True:
-        if rate is None:
-            size = GENERATE_BATCH
-        else:
-            await trio.sleep(RATE_TICK_S)
-            size = min(int((trio.current_time() - started) * rate) - total, GENERATE_BATCH)
-        batch = list(islice(documents, max(size, 0)))
+    async for batch in paced(generate(workload), rate):
         await appender.append(batch)
         total += len(batch)
-        if size > 0 and len(batch) < size:
-            log.info("generated %d documents", total)
-            return
+    log.info("generated %d documents", total)
 
 
 async def stream_to_node(
@@ -528,13 +376,8 @@ class DocsApi:
         send: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         if scope["path"] == "/metrics" and scope["method"] == "GET":
@@ -705,16 +548,29 @@ async def read_body(
             return body, None
 
 
-async def serve_http(
+async def answer_lifespan(
+    receive: Callable[[], Awaitable[dict[str, Any]]],
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """An ASGI app's lifespan: start-up at once; at shutdown, `on_shutdown` first."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            if on_shutdown is not None:
+                await on_shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def serve_asgi(
     address: Address,
-    appender: Appender,
-    nodes: Nodes,
-    token: str = "",
-    collector: CollectorPauses | None = None,
+    app: Callable[..., Awaitable[None]],
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The documents API under hypercorn until cancelled; reports the bound address. With a
-    token, changes need it as a bearer token."""
+    """An ASGI app under hypercorn until cancelled; reports the bound address."""
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -724,14 +580,27 @@ async def serve_http(
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger("indexer.router.http")
     hyper.graceful_timeout = 1.0
-    app = DocsApi(appender, nodes, token, collector)
 
     async def started(task_status: trio.TaskStatus[list[str]]) -> None:
-        await hypercorn_serve(app, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
+        await hypercorn_serve(app, hyper, mode="asgi", task_status=task_status)
 
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(started)
         task_status.started(binds[0] if binds else f"http://{host}:{port}")
+
+
+async def serve_http(
+    address: Address,
+    appender: Appender,
+    nodes: Nodes,
+    token: str = "",
+    collector: CollectorPauses | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The documents API until cancelled; reports the bound address. With a token, changes
+    need it as a bearer token."""
+    app = DocsApi(appender, nodes, token, collector)
+    await serve_asgi(address, app, task_status=task_status)
 
 
 class ClusterWatch:
@@ -778,6 +647,7 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
         targets = watch.load() or targets
     nodes = Nodes(targets)
     running: dict[Address, trio.CancelScope] = {}
+    url = ""
     signals_of = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
     with signals_of as signals, rare_collections() as collector:
         async with trio.open_nursery() as nursery:
@@ -819,11 +689,20 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                 url = await nursery.start(
                     serve_http, options.http, appender, nodes, options.security.token, collector
                 )
-                log.info(
+                log.log(
+                    logging.DEBUG if options.parent_pipe else logging.INFO,  # the parent says it
                     "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats, "
                     "GET /metrics)",
                     url,
                 )
+            if options.parent_pipe:
+
+                async def parent_input() -> None:
+                    await follow_parent_stdio(appender, url)
+                    log.info("the parent router closed its pipe: stopping")
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(parent_input)
             nursery.start_soon(expire_documents, appender)
             if options.jsonl is not None:
                 nursery.start_soon(read_jsonl_input, options.jsonl, options.follow, appender)

@@ -9,6 +9,7 @@ One LevelDB database in the router's state directory (`STATE_DIR`):
     b"\\x00meta:num_vbuckets"            -> the number of vbuckets, fixed at creation
     b"\\x00meta:source"                  -> the log's identity (a UUID), made at creation
     b"\\x00meta:owned_vbuckets"          -> JSON list: the vbuckets of a peer router (else all)
+    b"\\x00meta:input"                   -> how far a sharded router's input is appended (opaque)
 
 The identity names this history, as a Couchbase bucket UUID does: every handshake carries it,
 and a node indexes the history of one source only (another log, even one with the same
@@ -43,6 +44,7 @@ DEFAULT_NUM_VBUCKETS = 1024
 _META_VBUCKETS = b"\x00meta:num_vbuckets"
 _META_SOURCE = b"\x00meta:source"
 _META_OWNED = b"\x00meta:owned_vbuckets"
+_META_INPUT = b"\x00meta:input"
 _RECORD = b"s"
 _VBUCKET = b"v"
 _VB = struct.Struct(">H")
@@ -183,6 +185,7 @@ class SourceLog:
             self.identity = self._identity(identity)
             self.vbuckets = self._owned(vbuckets)
             self._owns = None if self.vbuckets is None else frozenset(self.vbuckets)
+            self.input_position: bytes | None = self.db.get(_META_INPUT)
             # docid -> expiry of its latest version, for the documents that have one.
             self._pending = {
                 key[1:].decode(): _TIME.unpack(value)[0]
@@ -347,12 +350,15 @@ class SourceLog:
         documents: Iterable[Document],
         now: float | None = None,
         encoded: list[bytes] | None = None,
+        input_position: bytes | None = None,
     ) -> int:
         """Give each document the next seqno of its vbucket and store it; one synced batch.
 
         An `_exp` is stored as an absolute unix time (relative to `now`, default the clock), and
         the expiry index follows each document's latest version. `encoded`, if given, receives
-        each document's stored bytes. Returns how many documents were appended.
+        each document's stored bytes. `input_position`, if given, is stored in the same batch
+        (a router shard's place in its parent's input: what it appended, and nothing more).
+        Returns how many documents were appended.
         """
         changed: dict[int, _Vbucket] = {}
         pending: dict[str, int | None] = {}  # docid -> its new expiry (None: none any more)
@@ -377,7 +383,11 @@ class SourceLog:
                 count += 1
             for vb, state in changed.items():
                 batch.put(_VBUCKET + _VB.pack(vb), state.encode())
+            if input_position is not None:
+                batch.put(_META_INPUT, input_position)
         self._vbuckets.update(changed)
+        if input_position is not None:
+            self.input_position = input_position
         self._apply_pending(pending)
         return count
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
+import trio
+
 from indexer.router.documents import Document
+
+GENERATE_BATCH = 10_000  # generated documents appended as one synced batch
+RATE_TICK_S = 0.05  # a rate-limited generator appends what is due this often
 
 CITIES = [
     "Amsterdam", "Berlin", "Cairo", "Delhi", "Edinburgh", "Florence", "Geneva", "Hanoi",
@@ -62,3 +68,22 @@ def generate(workload: Workload) -> Iterator[Document]:
             yield Document(docid, None)
         else:
             yield Document(docid, _document(rng, n))
+
+
+async def paced(documents: Iterator[Document], rate: float | None) -> AsyncIterator[list[Document]]:
+    """The documents in batches: as fast as they are taken, or about `rate` per second in
+    small batches (a steady feed for demos and benchmarks). Ends after the last."""
+    started = trio.current_time()
+    total = 0
+    while True:
+        if rate is None:
+            size = GENERATE_BATCH
+        else:
+            await trio.sleep(RATE_TICK_S)
+            size = min(int((trio.current_time() - started) * rate) - total, GENERATE_BATCH)
+        batch = list(islice(documents, max(size, 0)))
+        total += len(batch)
+        if batch:
+            yield batch
+        if size > 0 and len(batch) < size:
+            return

@@ -1,0 +1,140 @@
+"""The sharded router's pipe codec and its input routing, without processes (sans-IO)."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from indexer.router.documents import DocumentError, parse_line, routing_id
+from indexer.router.pipe import MessageReader, PipeError
+from indexer.router.shard_pipe import (
+    ACK,
+    HELLO,
+    LINES,
+    InputPosition,
+    LineBatch,
+    LineSplitter,
+    decode_hello,
+    decode_lines,
+    encode_hello,
+    encode_json,
+    encode_lines,
+)
+from indexer.router.shards import ShardLayout, resume_point
+
+
+def test_the_splitter_gives_each_line_its_offset_and_number_across_reads() -> None:
+    text = b'{"id":"a"}\n\n{"id":"bb"}\n{"id":"c"}'
+    for cut in range(len(text) + 1):
+        splitter = LineSplitter()
+        lines = splitter.feed(text[:cut]) + splitter.feed(text[cut:]) + splitter.finish()
+        assert lines == [(0, 1, b'{"id":"a"}'), (11, 2, b""), (12, 3, b'{"id":"bb"}'),
+                         (24, 4, b'{"id":"c"}')]  # fmt: skip
+        assert (splitter.offset, splitter.line) == (len(text), 4)
+    resumed = LineSplitter(12, 2)
+    assert resumed.feed(text[12:])[0] == (12, 3, b'{"id":"bb"}')
+
+
+@given(
+    st.text(max_size=30),
+    st.integers(0, 1 << 40),
+    st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(1, 1 << 30), st.binary(max_size=50))),
+)
+def test_a_batch_of_lines_survives_the_pipe_in_any_pieces(
+    key: str, end: int, lines: list[tuple[int, int, bytes]]
+) -> None:
+    batch = LineBatch(key, end, len(lines), lines)
+    wire = encode_lines(batch) + encode_json(ACK, {"appended": 1})
+    reader = MessageReader()
+    got = []
+    for i in range(0, len(wire), 7):
+        reader.feed(wire[i : i + 7])
+        while (message := reader.next()) is not None:
+            got.append(message)
+    assert [kind for kind, _ in got] == [LINES, ACK]
+    decoded = decode_lines(got[0][1])
+    assert decoded == LineBatch(key, end, len(lines), lines)
+    assert decoded.position == InputPosition(key, end, len(lines))
+
+
+def test_a_malformed_batch_is_a_pipe_error() -> None:
+    body = encode_lines(LineBatch("k", 5, 1, [(0, 1, b"abc")]))[5:]
+    with pytest.raises(PipeError):
+        decode_lines(body[:-1])
+    with pytest.raises(PipeError):
+        decode_lines(body + b"x")
+
+
+def test_hello_and_positions() -> None:
+    position = InputPosition("f.jsonl|7|0", 100, 3)
+    (kind, body) = _one(encode_hello("http://127.0.0.1:1", position, 42))
+    assert kind == HELLO
+    assert decode_hello(body) == ("http://127.0.0.1:1", position, 42)
+    assert InputPosition.decode(position.encode()) == position
+    assert InputPosition.decode(b"not json") is None
+    assert position.skips("f.jsonl|7|0", 99) and not position.skips("f.jsonl|7|0", 100)
+    assert not position.skips("f.jsonl|7|1", 0)  # another generation of the input: all new
+
+
+def _one(wire: bytes) -> tuple[int, bytes]:
+    reader = MessageReader()
+    reader.feed(wire)
+    message = reader.next()
+    assert message is not None and reader.next() is None
+    return message
+
+
+ids = st.one_of(st.text(min_size=1, max_size=20), st.integers(-(1 << 40), 1 << 40))
+
+
+@given(ids, st.booleans(), st.dictionaries(st.sampled_from(["id", "x", "doc"]), st.integers()))
+def test_the_routing_id_is_the_id_the_shard_parses(
+    docid: str | int, ascii_only: bool, extra: dict[str, int]
+) -> None:
+    item = {"id": docid, "doc": extra}
+    line = json.dumps(item, ensure_ascii=ascii_only, separators=(",", ":")).encode()
+    try:
+        parsed = parse_line(line.decode(), "x", line).docid.encode()
+    except DocumentError:
+        return
+    assert routing_id(line) == parsed
+
+
+def test_lines_without_an_id_have_no_route() -> None:
+    for line in (b"not json", b"[1]", b'{"doc":{}}', b'{"id":true}', b'{"id":""}'):
+        assert routing_id(line) is None
+    assert routing_id(b'{"id":"a","doc":{},"id":"b"}') == b"b"  # the last one, as parsed
+
+
+def test_layout_ranges_cover_every_vbucket_once() -> None:
+    for n, k in ((1024, 2), (1024, 3), (7, 7), (10, 4)):
+        layout = ShardLayout("x", n, k)
+        ranges = layout.ranges()
+        assert ranges[0][0] == 0 and ranges[-1][1] == n - 1
+        assert all(a[1] + 1 == b[0] for a, b in pairwise(ranges))
+        owners = layout.owners()
+        assert all(ranges[owners[vb]][0] <= vb <= ranges[owners[vb]][1] for vb in range(n))
+
+
+class _Held:
+    def __init__(self, position: InputPosition | None) -> None:
+        self.position = position
+
+
+def test_the_parent_resumes_at_the_earliest_shard() -> None:
+    base = "f|1"
+    shards = [_Held(InputPosition(f"{base}|0", 500, 5)), _Held(InputPosition(f"{base}|0", 300, 3))]
+    assert resume_point(shards, base, 1000) == (f"{base}|0", InputPosition(f"{base}|0", 300, 3))  # type: ignore[arg-type]
+    # One shard never saw this input: everything from the start.
+    shards.append(_Held(None))
+    assert resume_point(shards, base, 1000) == (f"{base}|0", None)  # type: ignore[arg-type]
+    # A file shorter than the shards hold was truncated: a new generation, from the start.
+    shards.pop()
+    assert resume_point(shards, base, 400) == (f"{base}|1", None)  # type: ignore[arg-type]
+    # The latest generation wins; a shard still on an older one starts it from the beginning.
+    shards = [_Held(InputPosition(f"{base}|2", 50, 1)), _Held(InputPosition(f"{base}|1", 90, 2))]
+    assert resume_point(shards, base, 1000) == (f"{base}|2", None)  # type: ignore[arg-type]
