@@ -87,12 +87,14 @@ POLL_S = 0.05
 WRITE_CHUNK = 10_000  # lines per write of the input file
 PG_BATCH = 10_000  # input lines per PostgreSQL transaction
 MIB = 1 << 20
-LAYOUTS = ("1", "2_slices", "2_replicas")
+LAYOUTS = ("1", "2_slices", "2_replicas", "1_shards2")
 LABELS = {
     "1": "1 node",
     "2_slices": "2 nodes sliced by a cluster map",
     "2_replicas": "2 replica nodes",
+    "1_shards2": "1 node, router --shards 2",
 }
+AT_MOST = ("router_cpu_us_per_doc", "shards2_cpu_vs_1")  # the other targets are minimums
 TARGETS = {  # the targets for these figures
     "docs_per_s_1": 100_000,
     "ratio_1": 0.3,
@@ -100,6 +102,7 @@ TARGETS = {  # the issue's targets for these figures
     "ratio_2_slices_vs_1": 1.0,
     "ratio_2_replicas_vs_1": 0.8,
     "router_cpu_us_per_doc": 12.0,
+    "shards2_cpu_vs_1": 1.2,  # at most: the CPU per document of K = 2 over K = 1
 }
 
 
@@ -234,7 +237,7 @@ def start_nodes(layout: str, run_dir: Path, inp: Input) -> tuple[list[Node], Pat
     n = len(inp.per_vbucket)
     every = list(range(n))
     if layout != "2_slices":
-        count = 1 if layout == "1" else 2
+        count = 2 if layout == "2_replicas" else 1
         nodes = [
             Node(f"node{i}", Daemon(run_dir / f"node{i}"), every, inp.seqnos(every))
             for i in range(count)
@@ -286,7 +289,8 @@ def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict
         for node in nodes:
             node.cpu_before = node.daemon.cpu()
         targets = [] if cluster_map else [node.daemon.feed_address for node in nodes]
-        router = Router(run_dir, inp.path, targets, cluster_map=cluster_map)
+        shards = int(layout.split("_shards")[1]) if "_shards" in layout else 1
+        router = Router(run_dir, inp.path, targets, cluster_map=cluster_map, shards=shards)
         started = router.started
         peak = PeakRss(router.process)
         peak.start()
@@ -304,6 +308,7 @@ def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict
         done = max(node.persisted_at or 0.0 for node in nodes)
         router_own, router_children = tree_cpu(router.process)
         main_cpu, thread_cpu = cpu_split(router.process)
+        shard_cpu = [sum(tree_cpu(child)) for child in router.process.children()]
         daemon_cpu = [sum(node.daemon.cpu()) - sum(node.cpu_before) for node in nodes]
         stats = router.stats()
         entries = [index_entries(client, node) for node in nodes]
@@ -342,6 +347,7 @@ def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict
         "router_main_cpu_s": round(main_cpu, 2),
         "router_thread_cpu_s": round(thread_cpu, 2),
         "router_children_cpu_s": round(router_children, 2),
+        "router_process_cpu_s": [round(router_own, 2), *(round(c, 2) for c in shard_cpu)],
         "router_cpu_us_per_doc": round(router_cpu / inp.documents * 1e6, 1),
         "router_peak_rss_bytes": peak_rss,
         "daemon_cpu_s": [round(c, 2) for c in daemon_cpu],
@@ -368,7 +374,8 @@ def report_run(r: dict[str, Any]) -> None:
     say(
         f"  router CPU {r['router_cpu_s']:.2f} s ({r['router_cpu_us_per_doc']} us/document: "
         f"{r['router_main_cpu_s']:.2f} s trio thread + {r['router_thread_cpu_s']:.2f} s other "
-        f"threads + {r['router_children_cpu_s']:.2f} s children), peak RSS "
+        f"threads + {r['router_children_cpu_s']:.2f} s children; by process "
+        f"{' + '.join(f'{c:.2f}' for c in r['router_process_cpu_s'])} s), peak RSS "
         f"{r['router_peak_rss_bytes'] / MIB:.0f} MiB; daemon CPU {daemons} s "
         f"({r['daemon_cpu_us_per_doc']} us/document); {r['items_sent']:,} items streamed "
         f"({r['items_backfilled']:,} from the log, {r['cursors_dropped']} cursors dropped)"
@@ -724,6 +731,12 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "router_cpu_us_per_doc": runs["1"]["router_cpu_us_per_doc"],
         "router_cpu_us_per_doc_2_slices": runs["2_slices"]["router_cpu_us_per_doc"],
         "router_cpu_us_per_doc_2_replicas": runs["2_replicas"]["router_cpu_us_per_doc"],
+        "docs_per_s_1_shards2": runs["1_shards2"]["per_s"],
+        "router_cpu_us_per_doc_shards2": runs["1_shards2"]["router_cpu_us_per_doc"],
+        "shards2_cpu_vs_1": ratio(
+            runs["1_shards2"]["router_cpu_us_per_doc"], runs["1"]["router_cpu_us_per_doc"]
+        ),
+        "router_process_cpu_s_shards2": runs["1_shards2"]["router_process_cpu_s"],
         "daemon_cpu_us_per_doc_1": runs["1"]["daemon_cpu_us_per_doc"],
         "seconds_1": runs["1"]["seconds"],
         "seconds_2_slices": runs["2_slices"]["seconds"],
@@ -741,14 +754,15 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     summary["targets_met"] = {
         key: None
         if summary[key] is None
-        else (summary[key] <= goal if key == "router_cpu_us_per_doc" else summary[key] >= goal)
+        else (summary[key] <= goal if key in AT_MOST else summary[key] >= goal)
         for key, goal in TARGETS.items()
     }
     say(
         f"summary: {one:,} documents/s to 1 node = {summary['ratio_1']}x the ceiling of "
         f"{ceiling['per_s']:,}/s; 2 slices {summary['ratio_2_slices_vs_1']}x and 2 replicas "
         f"{summary['ratio_2_replicas_vs_1']}x of 1 node; router {summary['router_cpu_us_per_doc']}"
-        " us/document; "
+        f" us/document; --shards 2 {summary['docs_per_s_1_shards2']:,}/s at "
+        f"{summary['shards2_cpu_vs_1']}x the CPU per document; "
         + (
             f"{summary['ratio_vs_postgres']}x PostgreSQL's {summary['pg_docs_per_s']:,}/s"
             if pg

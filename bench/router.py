@@ -188,6 +188,7 @@ class Router:
         memory_mb: float | None = None,
         follow: bool = False,
         cluster_map: Path | None = None,
+        shards: int = 1,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "router.log"
@@ -201,6 +202,8 @@ class Router:
             command += ["--memory-mb", str(memory_mb)]
         if follow:
             command.append("--follow")
+        if shards > 1:
+            command += ["--shards", str(shards)]
         self.started = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, stderr=log, stdin=subprocess.DEVNULL)

@@ -770,6 +770,55 @@ def router(
             fail("interrupted during start-up", 130)
 
 
+@main.command("shard-state")
+@click.option(
+    "--from",
+    "old_state",
+    required=True,
+    type=DIR,
+    metavar="DIR",
+    help="The --state of a router without shards (stopped; left as it is).",
+)
+@click.option(
+    "--into", required=True, type=DIR, metavar="DIR", help="The new --state (must not exist)."
+)
+@click.option("--shards", required=True, type=click.IntRange(2, 64), metavar="K")
+def shard_state(old_state: Path, into: Path, shards: int) -> None:
+    """Copy a router's source log into the state directory of `indexer router --shards K`,
+    with its history as it is (vbuckets, seqnos, failover logs, expiries, identity), so its
+    nodes go on from where they are without a rollback.
+
+    Example:
+
+    \b
+      indexer shard-state --from router --into router-sharded --shards 2
+      indexer router --state router-sharded --shards 2 --to 127.0.0.1:9105 ...
+    """
+    from indexer.router import SourceError, SourceLog
+    from indexer.router.shards import ShardLayout, open_layout
+    from indexer.router.source import split_log
+
+    if into.exists():
+        fail(f"--into: {into} exists already: give a new directory", 2)
+    try:
+        with SourceLog(old_state, create=False) as old:
+            layout = ShardLayout(old.identity, old.num_vbuckets, shards)
+        if shards > layout.num_vbuckets:
+            fail(f"--shards {shards} is more than the {layout.num_vbuckets} vbuckets", 2)
+        targets = [
+            (into / f"shard-{i}", tuple(range(first, last + 1)))
+            for i, (first, last) in enumerate(layout.ranges())
+        ]
+        copied = split_log(old_state, targets)
+        open_layout(into, shards, layout.num_vbuckets, layout.identity)
+    except SourceError as exc:
+        fail(str(exc))
+    click.echo(
+        f"copied {copied} records of {old_state} into {shards} shards in {into}: run "
+        f"indexer router --state {into} --shards {shards}"
+    )
+
+
 def _run_shards(
     state: Path,
     count: int,

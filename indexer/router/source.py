@@ -474,3 +474,58 @@ class SourceLog:
         for docid in affected | set(latest):
             new = expiry_of(latest[docid]) if docid in latest else None
             _move_expiry(batch, docid, self._pending.get(docid), new, pending)
+
+
+def split_log(state_dir: Path, targets: list[tuple[Path, tuple[int, ...]]]) -> int:
+    """Copy the source log in `state_dir` into one new log per (state directory, vbuckets) of
+    `targets` (a sharded router's), with its history as it is: each vbucket's versions, seqnos
+    and failover log, the expiry index and the identity, so its nodes go on without a rollback.
+    The old log is left as it was. Returns how many records were copied."""
+    with SourceLog(state_dir, create=False) as old:
+        if old.vbuckets is not None:
+            raise SourceError(f"the source log in {state_dir} is a peer's (a range): not split")
+        n = old.num_vbuckets
+        owner: dict[int, int] = {}
+        for i, (_, vbuckets) in enumerate(targets):
+            owner.update(dict.fromkeys(vbuckets, i))
+        if sorted(owner) != list(range(n)):
+            raise SourceError("the ranges must cover every vbucket once")
+        dbs = []
+        try:
+            for path, vbuckets in targets:
+                if (path / STATE_DIR).exists():
+                    raise SourceError(f"{path} holds a source log already")
+                (path / STATE_DIR).mkdir(parents=True)
+                db = _open(path / STATE_DIR, True)
+                dbs.append(db)
+                db.put(_META_VBUCKETS, str(n).encode())
+                db.put(_META_SOURCE, old.identity.encode())
+                db.put(_META_OWNED, json.dumps(list(vbuckets)).encode())
+            copied = 0
+            batches = [db.write_batch() for db in dbs]
+            sizes = [0] * len(dbs)
+            for key, value in old.db.iterator():
+                tag = key[:1]
+                if tag in (_RECORD, _VBUCKET):
+                    (vb,) = _VB.unpack_from(key, 1)
+                elif tag == _EXPIRY:
+                    vb = vbucket_of(key[1 + _TIME.size :], n)
+                elif tag == _PENDING:
+                    vb = vbucket_of(key[1:], n)
+                else:
+                    continue  # the old log's own meta keys
+                i = owner[vb]
+                batches[i].put(key, value)
+                sizes[i] += len(key) + len(value)
+                copied += 1
+                if sizes[i] >= SOURCE_WRITE_BUFFER:
+                    batches[i].write()
+                    batches[i], sizes[i] = dbs[i].write_batch(), 0
+            for batch in batches:
+                batch.write()
+            for db in dbs:
+                db.put(_META_VBUCKETS, str(n).encode(), sync=True)  # all of it on disk
+        finally:
+            for db in dbs:
+                db.close()
+    return copied

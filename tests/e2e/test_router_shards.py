@@ -208,3 +208,44 @@ def test_generated_documents_go_to_the_shards_too(
     wait_equal(daemon, list(generate(Workload(5_000, 1_200, 0.1, 8))))
     assert router.stop() == 0
     assert versions_in_logs(tmp_path / "router", 3) == 5_000
+
+
+def test_a_router_state_is_split_into_shards_and_its_node_goes_on_without_a_rollback(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory().start()
+    old, new = tmp_path / "old", tmp_path / "new"
+    first = list(generate(Workload(4_000, 1_000, 0.1, 21)))
+    single = routers("--state", str(old), "--to", daemon.address,
+                     "--jsonl", str(write_jsonl(tmp_path / "a.jsonl", first)))  # fmt: skip
+    single.wait_log(r"read 4000 documents")
+    wait_equal(daemon, first)
+    assert single.stop() == 0
+    command = indexer_command(
+        "shard-state", "--from", str(old), "--into", str(new), "--shards", "2"
+    )  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "copied" in result.stdout
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "exists already" in again.stderr
+    # Every vbucket's history as it was: its seqnos, failover log and versions.
+    with SourceLog(old) as log:
+        want = {vb: (log.failover_log(vb), list(log.read(vb)))
+                for vb in log.vbuckets_with_history()}  # fmt: skip
+        identity = log.identity
+    got = {}
+    for i, (first_vb, last_vb) in enumerate(((0, 511), (512, 1023))):
+        with SourceLog(new / f"shard-{i}") as log:
+            assert log.identity == identity
+            assert log.vbuckets == tuple(range(first_vb, last_vb + 1))
+            got.update({vb: (log.failover_log(vb), list(log.read(vb)))
+                        for vb in log.vbuckets_with_history()})  # fmt: skip
+    assert got == want
+    more = list(generate(Workload(3_000, 1_000, 0.1, 22)))
+    sharded = routers("--state", str(new), "--shards", "2", "--to", daemon.address,
+                      "--jsonl", str(write_jsonl(tmp_path / "b.jsonl", more)))  # fmt: skip
+    sharded.wait_log(r"read 3000 documents")
+    wait_equal(daemon, first + more)
+    assert sharded.stop() == 0
+    assert "rolled back" not in sharded.log()
