@@ -13,7 +13,9 @@ the default configuration (the two default indexes, by_city and by_age).
 
 1. Pipeline, three layouts of nodes: one daemon (`--to A`); two daemons sliced by a cluster map,
    each owning half the vbuckets (`indexer serve --cluster-map F --node a|b`, the router
-   `--cluster-map F`); two replica daemons owning every vbucket (`--to A --to B`). The daemons
+   `--cluster-map F`); two replica daemons owning every vbucket (`--to A --to B`). A fourth run
+   has one daemon and the router as `--shards 2` (a parent and two shard processes; the CPU is
+   reported per process and summed). The daemons
    start first; the clock runs from just before `indexer router --state NEW --jsonl FILE
    --http 127.0.0.1:0` starts until every daemon's `GET /stats` (polled every 50 ms) says a
    persisted snapshot covers everything it owns: `persisted.seqno_sum` reaches the sum of the

@@ -251,6 +251,14 @@ def pipeline_rows(r: Json) -> list[Row]:
             f"{num(r.get('daemon_cpu_us_per_doc_1'), 1)} µs/doc",
             times(div(r.get("router_cpu_us_per_doc"), r.get("daemon_cpu_us_per_doc_1"))),
         ),
+        Row(
+            "pipeline",
+            "router CPU per document, 1 node, --shards 2 (all processes)",
+            f"{num(r.get('router_cpu_us_per_doc_shards2'), 1)} µs/doc",
+            "one router process",
+            f"{num(r.get('router_cpu_us_per_doc'), 1)} µs/doc",
+            times(r.get("shards2_cpu_vs_1")),
+        ),
     ]
     pg = r.get("pg_docs_per_s")
     rows.append(
