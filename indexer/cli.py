@@ -635,13 +635,23 @@ def _feed_state(
     type=click.IntRange(1, 64),
     default=1,
     show_default=True,
-    metavar="K",
-    help="Run as K processes, each owning a contiguous range of vbuckets with its own source "
+    metavar="N",
+    help="Run as N processes, each owning a contiguous range of vbuckets with its own source "
     "log, memory and node connections; this process reads the input and serves --http. Fixed "
     "when --state is created.",
 )
-@click.option("--parent-pipe", is_flag=True, hidden=True)  # a shard: input from the parent
-@click.option("--process-name", hidden=True)  # a shard: its name in log lines
+@click.option(
+    "--parent-pipe",
+    is_flag=True,
+    hidden=True,
+    help="Run as a shard of --shards: the input comes from the parent on stdin (internal).",
+)
+@click.option(
+    "--process-name",
+    hidden=True,
+    metavar="NAME",
+    help="The shard's name in its log lines (internal).",
+)
 @TOKEN_OPTION
 @TOKEN_FILE_OPTION
 @TLS_OPTION
@@ -680,8 +690,7 @@ def router(
 
     \b
       indexer router --state router --to 127.0.0.1:9105 --jsonl docs.jsonl --follow
-      indexer router --state router --cluster-map cluster.toml --http 127.0.0.1:9110
-      indexer router --state router --shards 2 --to 127.0.0.1:9105 --jsonl docs.jsonl
+      indexer router --state router --shards 2 --cluster-map map.toml --http 127.0.0.1:9110
     """
     from indexer.logs import configure as configure_logging
     from indexer.router import SourceError, SourceLog, Workload
@@ -782,13 +791,19 @@ def router(
 @click.option(
     "--into", required=True, type=DIR, metavar="DIR", help="The new --state (must not exist)."
 )
-@click.option("--shards", required=True, type=click.IntRange(2, 64), metavar="K")
+@click.option(
+    "--shards",
+    required=True,
+    type=click.IntRange(2, 64),
+    metavar="N",
+    help="The number of shards of the new --state (as indexer router --shards N).",
+)
 def shard_state(old_state: Path, into: Path, shards: int) -> None:
     """Copy a router's source log into the state directory of `indexer router --shards K`,
     with its history as it is (vbuckets, seqnos, failover logs, expiries, identity), so its
     nodes go on from where they are without a rollback.
 
-    Example:
+    Examples:
 
     \b
       indexer shard-state --from router --into router-sharded --shards 2
