@@ -185,20 +185,22 @@ def read_jsonl(path: Path) -> Iterator[Document]:
 
 
 _ID_PREFIX = b'{"id":"'
+_SPACED_PREFIX = b'{"id": "'  # as json.dumps writes it
 
 
 def routing_id(line: bytes) -> bytes | None:
     """The document id of an input line, as `vbucket_of` takes it; None if the line has none
     (it is bad: whoever parses it in full reports why).
 
-    A line that starts `{"id":"` with one "id" in it and no escape in the id is read without a
-    parse (the router's own output, and most writers'); any other line is parsed, so the id is
-    always the one `parse_line` finds.
+    A line that starts `{"id":"` (or `{"id": "`) with one "id" in it and no escape in the id is
+    read without a parse (the router's own output, and most writers'); any other line is
+    parsed, so the id is always the one `parse_line` finds.
     """
-    if line.startswith(_ID_PREFIX):
-        end = line.find(b'"', 7)
-        if end > 7 and line.find(b"\\", 7, end) < 0 and line.count(b'"id"') == 1:
-            return line[7:end]
+    at = 7 if line.startswith(_ID_PREFIX) else 8 if line.startswith(_SPACED_PREFIX) else 0
+    if at:
+        end = line.find(b'"', at)
+        if end > at and line.find(b"\\", at, end) < 0 and line.count(b'"id"') == 1:
+            return line[at:end]
     try:
         item = json_loads(line)
     except ValueError:

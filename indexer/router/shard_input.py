@@ -37,17 +37,18 @@ def input_name(key: str) -> str:
 
 
 async def append_lines(appender: Appender, batch: LineBatch) -> tuple[int, int]:
-    """Append the batch's lines the log does not hold yet, with the batch's end position in the
-    same write; (documents appended, bad lines)."""
+    """Append the batch's lines, with the batch's end position in the same write, unless the
+    log holds its piece already; (documents appended, bad lines)."""
     held = InputPosition.decode(appender.source.input_position)
-    if held is not None and batch.key == held.key and batch.end <= held.offset:
-        return 0, 0  # all of it is in the log already
-    lines = [
-        (number, line)
-        for offset, number, line in batch.lines
-        if held is None or not held.skips(batch.key, offset)
-    ]
-    documents, errors = parse_lines(lines, input_name(batch.key))
+    if held is not None and held.holds(batch):
+        return 0, 0
+    if held is not None and held.overlaps(batch):  # the parent cuts pieces where shards stand
+        log.error(
+            "%s: bytes %d-%d of the input are partly in the log already (to %d): appended "
+            "again (the latest version wins)",
+            input_name(batch.key), batch.start, batch.end, held.offset,
+        )  # fmt: skip
+    documents, errors = parse_lines(batch.numbered(), input_name(batch.key))
     for error in errors:
         log.error("skipped a bad input line: %s", error)
     for document in documents:

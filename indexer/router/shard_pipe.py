@@ -2,9 +2,10 @@
 (sans-IO: pure functions over bytes, framed by `pipe.py`).
 
     parent -> shard
-      LINES  u16 key length, key, u64 end offset, u64 end line, u32 n,
-             n x (u64 offset, u64 line number, u32 length), then the n lines
-             (the shard's lines of one piece of the input: it appends them as one batch)
+      LINES  u16 key length, key, u64 start, u64 end, u64 start line, u64 end line, u32 n,
+             n x u32 (line number - start line - 1, native order: both ends are one machine),
+             then the n lines joined by newlines
+             (the shard's lines of the piece [start, end) of the input, appended as one batch)
     shard -> parent
       HELLO  JSON {"http": URL, "position": POSITION or null, "pid": N}: ready, and how far
              its source log holds the input
@@ -13,28 +14,26 @@
 An `InputPosition` names the input (`key`: a file's path, inode and generation, or a generated
 workload; its text up to the first "|" names it in messages) and how far into it a shard has
 appended its lines (`offset`, `line`: the lines before). The shard stores it in the same synced
-batch as the lines, so after any crash its log says exactly which lines it holds: the parent
-resends from the earliest shard's position, and each shard skips what it has
-(`InputPosition.skips`). Nothing is lost, nothing is doubled.
+batch as the lines, so after any crash its log says exactly which pieces it holds. A message is
+sent again whole (to a shard started again), and a parent started again cuts its pieces at
+every shard's position, so a shard holds a piece entirely or not at all
+(`InputPosition.holds`). Nothing is lost, nothing is doubled, and no line needs its own offset.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from indexer.router.pipe import PipeError, encode_message
 
-LINES, HELLO, ACK = 1, 3, 4
+LINES, HELLO, ACK = 1, 2, 3
 _KEY = struct.Struct(">H")
-_END = struct.Struct(">QQI")
-_ENTRY = struct.Struct(">QQI")
-
-Line = tuple[int, int, bytes]
-"""(offset in the input, 1-based line number, the line without its newline)"""
+_PIECE = struct.Struct(">QQQQI")
 
 
 @dataclass(frozen=True)
@@ -59,32 +58,44 @@ class InputPosition:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def skips(self, key: str, offset: int) -> bool:
-        """Whether the line at `offset` of input `key` is already in the log."""
-        return key == self.key and offset < self.offset
+    def holds(self, batch: LineBatch) -> bool:
+        """Whether the log holds the batch's piece of the input already."""
+        return batch.key == self.key and batch.end <= self.offset
+
+    def overlaps(self, batch: LineBatch) -> bool:
+        """Whether the log holds part of the piece only (the parent cut it wrong: a bug)."""
+        return batch.key == self.key and batch.start < self.offset < batch.end
 
 
 @dataclass(frozen=True)
 class LineBatch:
-    """One shard's lines of a piece of the input, and where that piece ends."""
+    """One shard's lines of the piece [start, end) of the input (lines start_line + 1 to
+    end_line); `indexes`: each line's number - start_line - 1."""
 
     key: str
+    start: int
     end: int
+    start_line: int
     end_line: int
-    lines: Sequence[Line]
+    indexes: Sequence[int]
+    lines: Sequence[bytes]
 
     @property
     def position(self) -> InputPosition:
         return InputPosition(self.key, self.end, self.end_line)
 
+    def numbered(self) -> list[tuple[int, bytes]]:
+        """(1-based line number, line) of each line."""
+        first = self.start_line + 1
+        return [(first + i, line) for i, line in zip(self.indexes, self.lines, strict=True)]
+
 
 def encode_lines(batch: LineBatch) -> bytes:
     key = batch.key.encode()
-    pack = _ENTRY.pack
-    parts = [_KEY.pack(len(key)), key, _END.pack(batch.end, batch.end_line, len(batch.lines))]
-    parts += [pack(offset, number, len(line)) for offset, number, line in batch.lines]
-    parts += [line for _, _, line in batch.lines]
-    return encode_message(LINES, b"".join(parts))
+    head = _PIECE.pack(batch.start, batch.end, batch.start_line, batch.end_line, len(batch.lines))
+    indexes = array("I", batch.indexes).tobytes()
+    body = b"".join((_KEY.pack(len(key)), key, head, indexes, b"\n".join(batch.lines)))
+    return encode_message(LINES, body)
 
 
 def decode_lines(body: bytes) -> LineBatch:
@@ -93,21 +104,20 @@ def decode_lines(body: bytes) -> LineBatch:
         at = _KEY.size
         key = body[at : at + size].decode()
         at += size
-        end, end_line, count = _END.unpack_from(body, at)
-        at += _END.size
-        heads = list(_ENTRY.iter_unpack(body[at : at + count * _ENTRY.size]))
-        at += count * _ENTRY.size
+        start, end, start_line, end_line, count = _PIECE.unpack_from(body, at)
+        at += _PIECE.size
     except (struct.error, UnicodeDecodeError) as exc:
         raise PipeError(f"a malformed LINES message: {exc}") from None
-    if len(heads) != count:
+    indexes = array("I")
+    size = count * indexes.itemsize
+    if len(body) < at + size:
         raise PipeError("a LINES message shorter than its count")
-    lines = []
-    for offset, number, length in heads:
-        lines.append((offset, number, body[at : at + length]))
-        at += length
-    if at != len(body):
-        raise PipeError("a LINES message whose lines do not fill it")
-    return LineBatch(key, end, end_line, lines)
+    indexes.frombytes(body[at : at + size])
+    at += size
+    lines = body[at:].split(b"\n") if count else []
+    if len(indexes) != count or len(lines) != count or (not count and at != len(body)):
+        raise PipeError("a LINES message whose lines do not match its count")
+    return LineBatch(key, start, end, start_line, end_line, indexes, lines)
 
 
 def encode_json(kind: int, value: dict[str, Any]) -> bytes:
@@ -140,29 +150,25 @@ def decode_hello(body: bytes) -> tuple[str, InputPosition | None, int]:
 
 
 class LineSplitter:
-    """Bytes of an input in, its complete lines out with their offsets and numbers; a partial
-    last line waits for the rest. Starts at `offset`, after `line` lines."""
+    """Bytes of an input in, its complete lines out; a partial last line waits for the rest.
+    `offset` and `line`: the bytes and lines before the next line (from where it started)."""
 
     def __init__(self, offset: int = 0, line: int = 0) -> None:
         self.partial = b""
-        self.offset = offset  # of the first byte of `partial`
+        self.offset = offset
         self.line = line
 
-    def feed(self, data: bytes) -> list[Line]:
-        *lines, self.partial = (self.partial + data).split(b"\n")
-        return self._place(lines, 1)
+    def feed(self, data: bytes) -> list[bytes]:
+        joined = self.partial + data if self.partial else data
+        *lines, self.partial = joined.split(b"\n")
+        self.offset += len(joined) - len(self.partial)
+        self.line += len(lines)
+        return lines
 
-    def finish(self) -> list[Line]:
+    def finish(self) -> list[bytes]:
         """At the end of an input that is not followed: the last line, if it has no newline."""
-        lines, self.partial = [self.partial] if self.partial else [], b""
-        return self._place(lines, 0)
-
-    def _place(self, lines: list[bytes], newline: int) -> list[Line]:
-        out = []
-        offset, number = self.offset, self.line
-        for line in lines:
-            number += 1
-            out.append((offset, number, line))
-            offset += len(line) + newline
-        self.offset, self.line = offset, number
-        return out
+        lines = [self.partial] if self.partial else []
+        self.offset += len(self.partial)
+        self.line += len(lines)
+        self.partial = b""
+        return lines

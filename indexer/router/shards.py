@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 import trio
 
+from indexer.collector import rare_collections
 from indexer.metrics import process_started_at, version
 from indexer.router.appender import READ_BYTES, append_bytes
 from indexer.router.documents import routing_id, vbucket_of
@@ -50,7 +51,6 @@ from indexer.router.shard_pipe import (
     ACK,
     HELLO,
     InputPosition,
-    Line,
     LineBatch,
     LineSplitter,
     decode_hello,
@@ -355,6 +355,28 @@ async def _talk_to(shard: Shard, process: trio.Process) -> None:
 # The input: lines to shards
 
 
+# How writers start a line: compact (the router's own output) or as json.dumps does.
+_ID_PREFIXES = (b'{"id":"', b'{"id": "')
+
+
+def plain_ids(lines: Sequence[bytes]) -> list[bytes] | None:
+    """The document ids of lines that all start the same way, {"id":"ID" or {"id": "ID", with
+    no escape in ID and "id" once, found without a parse; None if any line does not (then
+    each is read by `routing_id`)."""
+    piece = b"\n".join(lines)
+    n = len(lines)
+    prefix = next((p for p in _ID_PREFIXES if piece.startswith(p)), None)
+    if prefix is None or piece.count(b"\n" + prefix) != n - 1:
+        return None
+    if piece.count(b'"id"') != n:  # a second "id" in a line: JSON keeps the last one
+        return None
+    at = len(prefix)
+    ids = [line[at : line.find(b'"', at)] for line in lines]
+    if b"\\" in b"".join(ids):
+        return None
+    return ids
+
+
 class LineRouter:
     """Lines of one input to their shards' messages: each piece of the input becomes one
     LINES message per shard (possibly empty: its position still moves)."""
@@ -363,23 +385,50 @@ class LineRouter:
         self.owners = layout.owners()
         self.num_vbuckets = layout.num_vbuckets
         self.shards = shards
-        self.parts: list[list[Line]] = [[] for _ in shards]
+        self._clear(InputPosition("", 0, 0))
 
-    def add(self, lines: Sequence[Line]) -> None:
-        owners, n, parts = self.owners, self.num_vbuckets, self.parts
-        crc32 = zlib.crc32
-        for entry in lines:
-            line = entry[2]
+    def _clear(self, start: InputPosition) -> None:
+        self.start = start  # of the piece being gathered
+        self.count = 0  # lines in it so far
+        self.indexes: list[list[int]] = [[] for _ in self.shards]
+        self.parts: list[list[bytes]] = [[] for _ in self.shards]
+
+    def begin(self, key: str, offset: int, line: int) -> None:
+        """Where the next piece starts (what comes before is sent or held)."""
+        self._clear(InputPosition(key, offset, line))
+
+    def add(self, lines: Sequence[bytes]) -> None:
+        """Gather lines into the piece, each for the shard of its document (-1: blank)."""
+        base = self.count
+        indexes, parts = self.indexes, self.parts
+        for j, shard in enumerate(self._shards_of(lines)):
+            if shard >= 0:
+                indexes[shard].append(base + j)
+                parts[shard].append(lines[j])
+        self.count += len(lines)
+
+    def _shards_of(self, lines: Sequence[bytes]) -> list[int]:
+        owners, n, crc32 = self.owners, self.num_vbuckets, zlib.crc32
+        ids = plain_ids(lines) if lines else []
+        if ids is not None:
+            return [owners[crc32(docid) % n] for docid in ids]
+        out = []
+        for line in lines:
             if not line or line.isspace():
+                out.append(-1)
                 continue
             docid = routing_id(line)
             # A line without an id is bad: shard 0 parses it and reports why.
-            parts[0 if docid is None else owners[crc32(docid) % n]].append(entry)
+            out.append(0 if docid is None else owners[crc32(docid) % n])
+        return out
 
-    async def send(self, key: str, end: int, end_line: int) -> None:
-        for shard, part in zip(self.shards, self.parts, strict=True):
-            await shard.submit(encode_lines(LineBatch(key, end, end_line, part)))
-        self.parts = [[] for _ in self.shards]
+    async def send(self, end: int, end_line: int) -> None:
+        """Send every shard its lines of the piece, which ends at `end` after `end_line`."""
+        start = self.start
+        for shard, indexes, part in zip(self.shards, self.indexes, self.parts, strict=True):
+            batch = LineBatch(start.key, start.offset, end, start.line, end_line, indexes, part)
+            await shard.submit(encode_lines(batch))
+        self._clear(InputPosition(start.key, end, end_line))
 
     async def drained(self) -> int:
         """Wait until every shard appended all it was sent; the documents they appended."""
@@ -390,9 +439,10 @@ class LineRouter:
 
 def resume_point(
     shards: Sequence[Shard], base: str, size: int | None
-) -> tuple[str, InputPosition | None]:
-    """The input key to use (`base` and a generation) and where to start reading it: the
-    earliest position of any shard on that key, None for the start.
+) -> tuple[InputPosition, list[int]]:
+    """Where to start reading the input `base`: the key to use (`base` and a generation) and
+    the earliest position of any shard on that key (offset 0 for the start), and the later
+    positions of the others, where pieces must be cut so each shard holds a piece whole.
 
     A generation counts the times a followed file was truncated; a position beyond the file's
     `size` means it was truncated while no router ran: a new generation, from the start.
@@ -404,41 +454,49 @@ def resume_point(
             generations.append(int(held.key.rsplit("|", 1)[1]))
     generation = max(generations, default=0)
     key = f"{base}|{generation}"
-    starts: list[InputPosition | None] = []
-    for shard in shards:
-        held = shard.position
-        starts.append(held if held is not None and held.key == key else None)
-    if any(s is None for s in starts):
-        return key, None
-    earliest = min((s for s in starts if s is not None), key=lambda s: s.offset)
-    if size is not None and max(s.offset for s in starts if s is not None) > size:
+    start = InputPosition(key, 0, 0)
+    held_here = [s.position for s in shards if s.position is not None and s.position.key == key]
+    if len(held_here) < len(shards):
+        return start, sorted({p.offset for p in held_here if p.offset > 0})
+    if size is not None and max(p.offset for p in held_here) > size:
         log.warning("%s is shorter than the shards hold: reading it from the start", base)
-        return f"{base}|{generation + 1}", None
-    return key, earliest
+        return InputPosition(f"{base}|{generation + 1}", 0, 0), []
+    earliest = min(held_here, key=lambda p: p.offset)
+    return earliest, sorted({p.offset for p in held_here if p.offset > earliest.offset})
 
 
 async def read_jsonl(path: Path, follow: bool, router: LineRouter, batch_bytes: int) -> None:
     """Hand the file's lines to the shards; with `follow`, keep reading what is appended."""
     info = await trio.to_thread.run_sync(os.stat, path)
     base = f"{path.resolve()}|{info.st_ino}"
-    key, start = resume_point(router.shards, base, info.st_size)
+    start, cuts = resume_point(router.shards, base, info.st_size)
+    key = start.key
     generation = int(key.rsplit("|", 1)[1])
-    splitter = LineSplitter() if start is None else LineSplitter(start.offset, start.line)
-    if start is not None and start.offset:
+    splitter = LineSplitter(start.offset, start.line)
+    router.begin(key, start.offset, start.line)
+    if start.offset:
         log.info("%s: resuming at line %d (byte %d)", path, start.line + 1, start.offset)
     async with await trio.open_file(path, "rb") as f:
-        await f.seek(splitter.offset)
+        await f.seek(start.offset)
         taken = 0
         while True:
-            data = await f.read(READ_BYTES)
+            # A piece ends at the next shard's position, if any: that shard holds it up to
+            # there and skips the piece whole.
+            read_to = splitter.offset + len(splitter.partial)
+            while cuts and cuts[0] <= read_to:  # inside a line (one without its newline yet)
+                cuts.pop(0)
+            data = await f.read(READ_BYTES if not cuts else min(READ_BYTES, cuts[0] - read_to))
             lines = splitter.feed(data) if data else ([] if follow else splitter.finish())
             router.add(lines)
             taken += len(data)
-            if data and taken < batch_bytes:
+            at_cut = bool(cuts) and splitter.offset >= cuts[0]
+            if at_cut:
+                cuts.pop(0)
+            if data and taken < batch_bytes and not at_cut:
                 await trio.lowlevel.checkpoint()
                 continue
             if taken or lines:
-                await router.send(key, splitter.offset, splitter.line)
+                await router.send(splitter.offset, splitter.line)
             taken = 0
             if data:
                 continue
@@ -454,17 +512,26 @@ async def read_jsonl(path: Path, follow: bool, router: LineRouter, batch_bytes: 
                 key = f"{base}|{generation}"
                 await f.seek(0)
                 splitter = LineSplitter()
+                router.begin(key, 0, 0)
+                cuts = []
 
 
 async def generate_lines(workload: Workload, rate: float | None, router: LineRouter) -> None:
     """Hand the workload's documents to the shards as input lines (numbered by document)."""
     base = "generated|" + ",".join(str(v) for v in dataclasses.astuple(workload))
-    key, start = resume_point(router.shards, base, None)
-    done = 0 if start is None else start.offset
+    start, cuts = resume_point(router.shards, base, None)
+    done = start.offset
+    router.begin(start.key, done, done)
     async for batch in paced(islice(generate(workload), done, None), rate):
-        router.add([(done + i, done + i + 1, encode_line(d)) for i, d in enumerate(batch)])
-        done += len(batch)
-        await router.send(key, done, done)
+        while batch:
+            # Pieces end where the shards stand too (see read_jsonl).
+            size = len(batch) if not cuts else min(len(batch), cuts[0] - done)
+            if cuts and done + size >= cuts[0]:
+                cuts.pop(0)
+            router.add([encode_line(d) for d in batch[:size]])
+            done += size
+            await router.send(done, done)
+            batch = batch[size:]
     log.info("generated %d documents", await router.drained())
 
 
@@ -660,7 +727,8 @@ async def run_sharded_router(options: ShardedOptions) -> None:
     ]
     stopping = False
     batch_bytes = append_bytes(options.memory_bytes) * layout.count  # a shard's share as before
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    signals_of = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
+    with signals_of as signals, rare_collections():  # the router's policy (collector.py)
         async with trio.open_nursery() as nursery:
 
             async def wait_signal() -> None:
