@@ -144,13 +144,8 @@ class Connection:
                 self._check_claim(message)
             self._check_source(message)
             self.handshake = message
-            if not message.build:
-                # The vbuckets asked for are this connection's until it ends, streamed yet or
-                # not: a peer router of the same source is refused them at its handshake.
-                for vb in message.vbuckets:
-                    if 0 <= vb < len(reg.owned) and reg.owned[vb]:
-                        reg.owner[vb] = self.conn_id
-                        self.claimed.add(vb)
+            if not message.build:  # a build stream claims in its build's registry
+                self.claim_vbuckets(message)
             return None
         if type(message) is p.MutationBatch:
             return self._accept_batch(message)
@@ -209,7 +204,7 @@ class Connection:
         if not p.token_matches(handshake.token, self.token):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "the handshake's token is wrong")
 
-    def _check_claim(self, handshake: p.Handshake) -> None:
+    def _check_claim(self, handshake: p.Handshake, what: str = "") -> None:
         """Routers of one source own disjoint vbuckets: a handshake asking for a vbucket that
         another connection streams is refused before anything of it is applied."""
         owner = self.registry.owner
@@ -221,10 +216,21 @@ class Connection:
         if taken:
             raise ProtocolError(
                 ErrorCode.STREAM_EXISTS,
-                f"{len(taken)} of the vbuckets this router asks for are streamed by another "
-                f"connection (vbucket {taken[0]} the first): routers of one source own disjoint "
-                "vbuckets (indexer router --vbucket-range)",
+                f"{what + ': ' if what else ''}{len(taken)} of the vbuckets this router asks for "
+                f"are streamed by another connection (vbucket {taken[0]} the first): routers of "
+                "one source own disjoint vbuckets (indexer router --vbucket-range)",
             )
+
+    def claim_vbuckets(self, handshake: p.Handshake, what: str = "") -> None:
+        """Make the vbuckets the handshake asks for this connection's until it ends, streamed
+        yet or not (STREAM_EXISTS if another connection has one): a peer router of the same
+        source is refused them at its handshake."""
+        self._check_claim(handshake, what)
+        reg = self.registry
+        for vb in handshake.vbuckets:
+            if 0 <= vb < len(reg.owned) and reg.owned[vb]:
+                reg.owner[vb] = self.conn_id
+                self.claimed.add(vb)
 
     def _check_source(self, handshake: p.Handshake) -> None:
         """A node indexes one source's history: the first one it sees is claimed here, another
@@ -584,10 +590,11 @@ class Reader:
         build = self.builds.get(name)
         if build is None or build.state == "merged":
             raise ProtocolError(ErrorCode.BUILD_DONE, f"index {name!r} is not being built")
-        if any(other == name for other in self._build_conns.values()):
-            raise ProtocolError(ErrorCode.STREAM_EXISTS, f"index {name!r} has a build stream")
-        self._build_conns[conn.conn_id] = name
+        # Peer routers (shards) each build their own vbuckets: several build streams of one
+        # index are fine as long as their vbuckets are disjoint, as for maintenance streams.
         conn.registry = build.registry
+        conn.claim_vbuckets(conn.handshake, f"index {name!r} has a build stream")
+        self._build_conns[conn.conn_id] = name
         conn.nkeys = 1
         return build
 

@@ -230,7 +230,8 @@ async def stream_to_node(
                 building.discard(index)
 
         def on_maintenance(reply: p.HandshakeReply) -> None:
-            maintenance_first.vbuckets = list(reply.owned)
+            # The node's vbuckets that this router streams (a shard or peer has a range).
+            maintenance_first.vbuckets = [vb for vb in reply.owned if source.owns(vb)]
             for index in reply.builds:
                 if index not in building:
                     building.add(index)

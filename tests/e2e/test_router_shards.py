@@ -18,7 +18,9 @@ import pytest
 from indexer.router import SourceLog, Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from indexer.router.shard_pipe import InputPosition
-from tests.e2e.conftest import WAIT_S, indexer_command, wait_equal, write_jsonl
+from tests.e2e.conftest import WAIT_S, indexer_command, model, scan, wait_equal, write_jsonl
+from tests.e2e.test_cluster import owned_by, write_map
+from tests.e2e.test_index_build import ZIP, wait_active
 
 pytestmark = pytest.mark.e2e
 
@@ -249,3 +251,52 @@ def test_a_router_state_is_split_into_shards_and_its_node_goes_on_without_a_roll
     wait_equal(daemon, first + more)
     assert sharded.stop() == 0
     assert "rolled back" not in sharded.log()
+
+
+def test_shards_across_the_slices_of_a_cluster_map(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    """Three shards (0-340, 341-681, 682-1023) over two nodes (0-511, 512-1023): the middle
+    shard streams to both, each node only its slice."""
+
+    a, b = daemon_factory(), daemon_factory()
+    cluster_map = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
+    for daemon, name in ((a, "a"), (b, "b")):
+        daemon.args = ["--cluster-map", str(cluster_map), "--node", name]
+        daemon.start()
+    documents = list(generate(Workload(9_000, 3_000, 0.1, 23)))
+    router = routers(
+        "--state", str(tmp_path / "router"), "--shards", "3", "--cluster-map", str(cluster_map),
+        "--jsonl", str(write_jsonl(tmp_path / "in.jsonl", documents)),
+    )  # fmt: skip
+    router.wait_log(r"read 9000 documents")
+    wait_equal(a, owned_by(documents, 0, 511))
+    wait_equal(b, owned_by(documents, 512, 1023))
+    assert router.stop() == 0
+    assert "NOT_MY_SLICE" not in router.log() and "Traceback" not in router.log()
+
+
+def test_a_build_and_expiry_work_through_the_shards(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+
+    daemon = daemon_factory().start()
+    documents = list(generate(Workload(20_000, 4_000, 0.1, 37)))
+    # Expiring documents in both shards' vbuckets: each shard's pager deletes its own.
+    expiring = [Document(docid_in(first, last, f"exp{i}"), {"age": i, "_exp": 2})
+                for i, (first, last) in enumerate(((0, 511), (512, 1023)))]  # fmt: skip
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents + expiring)
+    router = routers(
+        "--state", str(tmp_path / "router"), "--shards", "2", "--jsonl", str(jsonl),
+        "--follow", "--to", daemon.address,
+    )  # fmt: skip
+    wait_equal(daemon, documents + expiring)
+    created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP}, timeout=30)
+    assert created.status_code == 201, created.text
+    assert wait_active(daemon, "by_zip")[-1] == "active"
+    router.wait_log(r"\[shard 0/2\] .*build:by_zip: the build stream is done")
+    router.wait_log(r"\[shard 1/2\] .*build:by_zip: the build stream is done")
+    gone = [Document(d.docid, None) for d in expiring]
+    wait_equal(daemon, documents + expiring + gone)
+    assert scan(daemon, "by_zip") == model(documents + expiring + gone, ZIP)
+    assert router.stop() == 0

@@ -158,6 +158,32 @@ def test_a_handshake_claims_its_vbuckets_and_a_claim_on_them_is_refused() -> Non
     high.release()
 
 
+def test_build_streams_of_one_index_claim_disjoint_vbuckets() -> None:
+    """Shards each build their own vbuckets of an index: as the reader's build handshake does,
+    a build connection claims in the build's registry (not the maintenance one)."""
+    maintenance = StreamRegistry(range(N), [0] * N)
+    build = StreamRegistry(range(N), [0] * N)
+
+    def build_connection(conn_id: int, asks: tuple[int, ...]) -> Connection:
+        conn = Connection(conn_id, maintenance, nkeys=1)
+        handshake = p.Handshake("r", N, asks, build="by_zip")
+        assert conn.accept(handshake) is None
+        conn.registry = build
+        conn.claim_vbuckets(handshake, "index 'by_zip' has a build stream")
+        return conn
+
+    low = build_connection(1, (0, 1, 2))
+    high = build_connection(2, (3, 4))
+    assert maintenance.owner == [None] * N  # the maintenance stream's claims are untouched
+    with pytest.raises(ProtocolError) as info:
+        build_connection(3, (2, 5))
+    assert info.value.code is ErrorCode.STREAM_EXISTS and "by_zip" in info.value.message
+    assert build.owner[5] is None
+    low.release()
+    assert build_connection(4, (2, 5)).claimed == {2, 5}
+    high.release()
+
+
 def test_resent_mutations_at_or_below_what_was_received_are_skipped() -> None:
     registry = StreamRegistry(range(N), [0] * N)
     first = connection(registry, 1)

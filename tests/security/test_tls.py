@@ -22,6 +22,7 @@ from tests.security.conftest import (
     TOKEN,
     RawFeed,
     TlsFiles,
+    bearer,
     https_url,
     scan_rows,
     wait_log,
@@ -182,4 +183,39 @@ def test_spark_reads_over_tls_with_the_token(
     finally:
         spark.stop()
     assert TOKEN not in daemon.log()
+    assert daemon.stop() == 0
+
+
+def test_router_shards_stream_over_tls_and_the_api_checks_the_token(
+    daemon_factory: Any, routers: Any, tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    documents = list(generate(Workload(3_000, 900, 0.1, 29)))
+    secret = write_token(tmp_path / "token")
+    daemon = tls_daemon(daemon_factory, tls_files, secret)
+    router = routers(
+        "--state", str(tmp_path / "router"), "--shards", "2", "--to", daemon.address,
+        "--jsonl", str(write_jsonl(tmp_path / "docs.jsonl", documents)),
+        "--tls-ca", str(tls_files.ca), "--token-file", str(secret), "--http", "127.0.0.1:0",
+    )  # fmt: skip
+    url = router.wait_log(r"router API on (http://\S+)")[0]
+    router.wait_log(rf"\[shard [01]/2\] indexer.router: {daemon.address}: connected", count=2)
+    verify = tls_files.client_context()
+    for name, paths in INDEXES.items():
+        wait_rows(https_url(daemon), name, model(documents, paths), verify)
+    # Changes through the parent need the token: the shard that owns the id checks it.
+    body = {"age": 7, "address": {"city": "Oslo"}}
+    without = httpx.put(f"{url}/docs/tls-1", json=body, timeout=30)
+    assert without.status_code == 401 and "Bearer" in without.headers["www-authenticate"]
+    with_token = httpx.put(f"{url}/docs/tls-1", json=body, headers=bearer(), timeout=30)
+    assert with_token.status_code == 200, with_token.text
+    documents.append(Document("tls-1", body))
+    for name, paths in INDEXES.items():
+        wait_rows(https_url(daemon), name, model(documents, paths), verify)
+    # The shards got the token in their environment, never on their command line.
+    stats = httpx.get(f"{url}/stats", timeout=30).json()
+    for shard in stats["shards"]:
+        with open(f"/proc/{shard['pid']}/cmdline", "rb") as f:
+            assert TOKEN.encode() not in f.read()
+    assert router.stop() == 0
+    assert TOKEN not in router.log()
     assert daemon.stop() == 0
