@@ -62,7 +62,8 @@ from common import (  # bench/common.py: run as `python bench/...`
 from indexer import protocol as p
 from indexer.config import Config, parse_config
 from indexer.keys import entry_tail
-from indexer.router.feed import StreamEncoder, default_vbuuid
+from indexer.router.feed import StreamEncoder
+from indexer.router.records import default_vbuuid
 from indexer.router.workload import Workload, generate
 from indexer.storage import IndexStore, StoredIndex
 from slab import SlabPool

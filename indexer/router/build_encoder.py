@@ -37,8 +37,8 @@ import trio
 
 from indexer import protocol as p
 from indexer.router.chunks import EncodedChunk, RawChunk, latest_documents, snapshot_frames
-from indexer.router.feed import FeedError, RecordEncoder
 from indexer.router.pipe import MessageReader, PipeError, encode_message
+from indexer.router.records import FeedError, RecordEncoder
 
 BUILD_NICENESS = 10
 """How much lower than the router the encoder runs (os.nice): maintenance comes first."""

@@ -16,8 +16,8 @@ from typing import TypeVar
 
 from indexer import protocol as p
 from indexer.router.documents import Document
-from indexer.router.feed import RecordEncoder
 from indexer.router.mutations import Backfill
+from indexer.router.records import RecordEncoder
 from indexer.router.source import SourceLog, decode_document
 
 

@@ -1,8 +1,7 @@
 """A router feed: streams documents to an indexer and waits for them to be persisted.
 
-The sans-IO part turns documents into frames: `RecordEncoder` evaluates index keys and
-partial-index conditions (the daemon never parses documents), `Batcher` groups records per
-vbucket into snapshots. Two encoders feed them. `StreamEncoder` numbers an input's documents per
+The sans-IO part turns documents into frames with `records.py` (`RecordEncoder`, `Batcher`).
+Two encoders feed them. `StreamEncoder` numbers an input's documents per
 vbucket (CRC32 of the id) in input order, so replaying the same input after a restart skips
 exactly what the indexer reported as persisted. `LogEncoder` streams a router's source log
 (`source.py`): stored seqnos and vbuuids, with failover logs in the handshake. `feed` and
@@ -17,9 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import ssl
-import zlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
@@ -27,30 +25,21 @@ from typing import NoReturn, Protocol, TypeVar
 import trio
 
 from indexer import protocol as p
-from indexer.keys import MISSING, KeyEncodingError, encode_value, index_key
 from indexer.router.documents import Document, vbucket_of
+from indexer.router.records import (
+    BATCH_RECORDS,
+    SEND_BYTES,
+    Batcher,
+    RecordEncoder,
+    batch_bytes,
+    default_vbuuid,
+)
+from indexer.router.records import FeedError as FeedError  # where its users import it from
 from indexer.router.source import SourceLog
-from indexer.where import WhereError, matches, parse_where
 
-BATCH_RECORDS = 512
-SEND_BYTES = 256 * 1024
-# A frame's header and a MUTATIONS frame's own header, with room to spare: one record of at
-# most max_frame_bytes - FRAME_OVERHEAD always fits a frame.
-FRAME_OVERHEAD = 64
-MAX_REPORTED = 10_000  # documents an encoder remembers having logged
-MAX_CACHED_SCALARS = 65_536  # encoded scalar values an encoder keeps (cleared when full)
-_MISSING = encode_value(MISSING)
 _T = TypeVar("_T")
 
 log = logging.getLogger("indexer.router")
-
-
-class FeedError(Exception):
-    """The feed cannot go on; the message is one line for the user."""
-
-    def __init__(self, message: str, code: p.ErrorCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 MAX_RECONNECTS = 20
@@ -64,237 +53,6 @@ class FeedSecurity:
 
     token: str = field(default="", repr=False)
     ssl_context: ssl.SSLContext | None = None
-
-
-def default_vbuuid(vbucket: int) -> int:
-    """The vbuuid of a vbucket's history for a router without failovers: stable across runs."""
-    return zlib.crc32(b"vbuuid:%d" % vbucket) | 1 << 32
-
-
-class RecordEncoder:
-    """Documents in, mutation records out (pure): the index keys of a handshake reply's indexes,
-    an empty key where a partial index's condition is not TRUE or the leading field is missing.
-
-    A record never exceeds `max_record_bytes` (what one frame of the node carries) and a
-    document never stops a stream: a key that cannot be encoded (a version stored before the
-    input checks, NaN say) or that does not fit a frame is left out of its index, as GSI skips
-    a key over its size limit, and the document is logged once (`left_out` counts them).
-    """
-
-    def __init__(
-        self,
-        indexes: Sequence[p.IndexDefinition],
-        max_frame_bytes: int = p.DEFAULT_MAX_FRAME_BYTES,
-    ) -> None:
-        self.paths = [index.keys for index in indexes]
-        self.names = [index.name for index in indexes]
-        self.nkeys = len(self.paths)
-        self.max_frame_bytes = max_frame_bytes
-        self.max_record_bytes = max_frame_bytes - FRAME_OVERHEAD
-        try:
-            self.wheres = [
-                None if index.where is None else parse_where(index.where) for index in indexes
-            ]
-        except WhereError as exc:
-            raise FeedError(f"the indexer sent a bad where: {exc}") from None
-        self.partial = any(where is not None for where in self.wheres)
-        self.left_out = 0
-        self._reported: set[str] = set()
-        # Each distinct field path is read and encoded once per document, whatever number of
-        # indexes holds it (by_city and by_age both hold `age`); keys are their concatenations.
-        distinct = list(dict.fromkeys(path for paths in self.paths for path in paths))
-        self._steps = [tuple(path.split(".")) for path in distinct]
-        self._columns = [tuple(distinct.index(path) for path in paths) for paths in self.paths]
-        self._scalars: dict[tuple[type, object], bytes] = {}
-
-    def keys(self, document: Document, seqno: int = 0) -> tuple[bytes, ...]:
-        """The document's key in every index (b"" = not in that index)."""
-        body = document.body
-        try:
-            if body is None:
-                return (b"",) * self.nkeys
-            if not self.partial:
-                return self._plain_keys(body)
-            # A document a partial index's condition is not TRUE for gets the empty key,
-            # which removes its entry there, like a missing leading field.
-            return tuple(
-                index_key(body, paths) if matches(where, body) else b""
-                for paths, where in zip(self.paths, self.wheres, strict=True)
-            )
-        except (KeyEncodingError, RecursionError):
-            return self._keys_one_by_one(document, seqno)
-
-    def _plain_keys(self, body: dict[str, object]) -> tuple[bytes, ...]:
-        """`keys` without partial indexes: each distinct path's value read and encoded once,
-        scalars that come again (ages, cities) from a small cache."""
-        scalars = self._scalars
-        encoded: list[bytes | None] = []
-        for steps in self._steps:
-            value: object = body
-            for step in steps:
-                value = value.get(step, MISSING) if type(value) is dict else MISSING
-            if value is MISSING:
-                encoded.append(None)
-                continue
-            kind = type(value)
-            if kind is str or kind is int or kind is bool or value is None:
-                cached = scalars.get((kind, value))
-                if cached is None:
-                    if len(scalars) >= MAX_CACHED_SCALARS:
-                        scalars.clear()
-                    cached = scalars[(kind, value)] = encode_value(value)
-                encoded.append(cached)
-            else:
-                encoded.append(encode_value(value))
-        keys = []
-        for columns in self._columns:
-            first = encoded[columns[0]]
-            if first is None:  # N1QL leaves out a document whose leading key is missing
-                keys.append(b"")
-            elif len(columns) == 1:
-                keys.append(first)
-            else:
-                keys.append(b"".join(_MISSING if (e := encoded[c]) is None else e for c in columns))
-        return tuple(keys)
-
-    def _keys_one_by_one(self, document: Document, seqno: int) -> tuple[bytes, ...]:
-        """The slow path of `keys`: each index on its own, the failing ones left out."""
-        body = document.body
-        assert body is not None
-        keys = []
-        for name, paths, where in zip(self.names, self.paths, self.wheres, strict=True):
-            try:
-                key = index_key(body, paths) if where is None or matches(where, body) else b""
-            except (KeyEncodingError, RecursionError) as exc:
-                why = "a value is nested too deeply" if isinstance(exc, RecursionError) else exc
-                self._report(document.docid, seqno, name, str(why))
-                key = b""
-            keys.append(key)
-        return tuple(keys)
-
-    def record(self, seqno: int, document: Document, docid: bytes | None = None) -> bytes:
-        """The MUTATIONS record of `document` at `seqno` (`docid`: its id, already encoded)."""
-        docid = document.docid.encode() if docid is None else docid
-        keys = self.keys(document, seqno)
-        record = p.encode_record(p.Mutation(seqno, docid, keys, document.body is None))
-        if len(record) > self.max_record_bytes:
-            return self._fit(seqno, document, docid, keys, len(record))
-        return record
-
-    def _fit(
-        self, seqno: int, document: Document, docid: bytes, keys: tuple[bytes, ...], size: int
-    ) -> bytes:
-        """A record over a frame: its largest keys are left out until the rest fits."""
-        fitted = list(keys)
-        for i in sorted(range(self.nkeys), key=lambda i: len(keys[i]), reverse=True):
-            if size <= self.max_record_bytes:
-                break
-            size -= len(keys[i])
-            fitted[i] = b""
-            self._report(
-                document.docid,
-                seqno,
-                self.names[i],
-                f"its key takes {len(keys[i]):,} bytes, more than a frame of this node carries "
-                f"(server.max_frame_bytes = {self.max_frame_bytes:,})",
-            )
-        return p.encode_record(p.Mutation(seqno, docid, tuple(fitted), document.body is None))
-
-    def _report(self, docid: str, seqno: int, index: str, why: str) -> None:
-        """One log line per document left out of an index (per encoder, bounded memory)."""
-        self.left_out += 1
-        if docid in self._reported:
-            return
-        if len(self._reported) >= MAX_REPORTED:
-            self._reported.clear()
-        self._reported.add(docid)
-        log.warning(
-            "document %r (seqno %d) left out of index %s: %s; a later version of it with a value "
-            "an index key can hold replaces it",
-            docid,
-            seqno,
-            index,
-            why,
-        )
-
-
-class Batcher:
-    """Records of each vbucket in, frames out (pure): a batch of up to `batch_records` records
-    or `batch_bytes` bytes goes out as SNAPSHOT_MARKER(first, last) and one MUTATIONS frame,
-    after STREAM_BEGIN (with `vbuuid(vb)`) for the vbucket's first batch.
-    """
-
-    def __init__(
-        self,
-        nkeys: int,
-        batch_bytes: int,
-        vbuuid: Callable[[int], int],
-        batch_records: int = BATCH_RECORDS,
-    ) -> None:
-        self.nkeys = nkeys
-        self.batch_bytes = batch_bytes
-        self.batch_records = batch_records
-        self.vbuuid = vbuuid
-        self.pending: dict[int, list[bytes]] = {}
-        self.pending_bytes: dict[int, int] = {}
-        self.first: dict[int, int] = {}
-        self.last: dict[int, int] = {}  # per vbucket begun, the last seqno batched
-        self.begun: set[int] = set()
-
-    def add(self, vb: int, seqno: int, record: bytes) -> list[bytes]:
-        """Frames that are ready after this record (often none); seqnos must increase."""
-        pending = self.pending.get(vb)
-        frames: list[bytes] = []
-        if pending is not None and self.pending_bytes[vb] + len(record) > self.batch_bytes:
-            # The batch plus this record could outgrow a frame: it goes out first.
-            frames = self.flush(vb)
-            pending = None
-        if pending is None:
-            pending = self.pending[vb] = []
-            self.pending_bytes[vb] = 0
-            self.first[vb] = seqno
-        pending.append(record)
-        self.pending_bytes[vb] += len(record)
-        self.last[vb] = seqno
-        if len(pending) >= self.batch_records or self.pending_bytes[vb] >= self.batch_bytes:
-            return frames + self.flush(vb)
-        return frames
-
-    def flush(self, vb: int) -> list[bytes]:
-        """The frames of the vbucket's pending batch (none if nothing is pending)."""
-        records = self.pending.pop(vb, None)
-        if records is None:
-            return []
-        del self.pending_bytes[vb]
-        first = self.first.pop(vb)
-        frames = []
-        if vb not in self.begun:
-            self.begun.add(vb)
-            frames.append(p.encode(p.StreamBegin(vb, self.vbuuid(vb))))
-        frames.append(p.encode(p.SnapshotMarker(vb, first, self.last[vb])))
-        frames.append(p.encode_mutations(vb, self.nkeys, records))
-        return frames
-
-    def finish(self) -> list[bytes]:
-        """Frames of every batch still pending."""
-        frames = []
-        for vb in sorted(self.pending):
-            frames.extend(self.flush(vb))
-        return frames
-
-    def targets(self) -> dict[int, int]:
-        """Per vbucket streamed, the seqno an ack must reach for everything to be persisted."""
-        return {vb: self.last[vb] for vb in self.begun}
-
-    def ends(self) -> list[bytes]:
-        """STREAM_END of every vbucket begun."""
-        return [p.encode(p.StreamEnd(vb, self.vbuuid(vb))) for vb in sorted(self.begun)]
-
-
-def batch_bytes(reply: p.HandshakeReply) -> int:
-    """Bytes of records per batch: a whole frame stays under the indexer's maximum (a record
-    bigger than this goes out alone in its frame)."""
-    return min(reply.max_frame_bytes - FRAME_OVERHEAD, SEND_BYTES)
 
 
 class StreamEncoder:

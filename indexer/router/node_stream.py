@@ -37,19 +37,15 @@ from indexer.router.chunks import (
 )
 from indexer.router.documents import Document
 from indexer.router.feed import (
-    BATCH_RECORDS,
     DEFER_S,
     END_TIMEOUT_S,
-    SEND_BYTES,
     FeedError,
     FeedSecurity,
     FeedSettings,
-    RecordEncoder,
     _connection,
     _handshake,
     _Peer,
     _send_chunks,
-    batch_bytes,
 )
 from indexer.router.mutations import (
     Backfill,
@@ -59,6 +55,7 @@ from indexer.router.mutations import (
     MutationManager,
     Snapshot,
 )
+from indexer.router.records import BATCH_RECORDS, SEND_BYTES, RecordEncoder, batch_bytes
 from indexer.router.source import SourceLog, decode_document, encode_document
 
 log = logging.getLogger("indexer.router")

@@ -28,7 +28,7 @@ from indexer.router.chunks import (
     snapshot_frames,
 )
 from indexer.router.documents import Document
-from indexer.router.feed import RecordEncoder
+from indexer.router.records import RecordEncoder
 from indexer.router.source import SourceLog
 
 INDEX = p.IndexDefinition("by_age", ("age",))

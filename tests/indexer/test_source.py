@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from indexer import protocol as p
 from indexer.router.documents import Document, parse_line, vbucket_of
-from indexer.router.feed import BATCH_RECORDS, FeedError, LogEncoder, _Peer
+from indexer.router.feed import FeedError, LogEncoder, _Peer
+from indexer.router.records import BATCH_RECORDS
 from indexer.router.source import SourceError, SourceLockedError, SourceLog, record_key
 
 NUM_VBUCKETS = 8
