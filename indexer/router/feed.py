@@ -18,13 +18,14 @@ import logging
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from contextlib import closing, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, TypeVar
 
 import trio
 
 from indexer import protocol as p
+from indexer.router.chunks import read_backfill_chunk, snapshot_frames
 from indexer.router.documents import Document, vbucket_of
 from indexer.router.records import (
     BATCH_RECORDS,
@@ -38,6 +39,7 @@ from indexer.router.records import FeedError as FeedError  # where its users imp
 from indexer.router.source import SourceLog
 
 _T = TypeVar("_T")
+LOG_CHUNK_ITEMS = 2_048  # versions of one vbucket per snapshot of a log, as a router's backfill
 
 log = logging.getLogger("indexer.router")
 
@@ -113,23 +115,35 @@ class StreamEncoder:
 class LogEncoder:
     """A source log's history after the restart positions in, frames out (no sockets).
 
-    Vbuckets take turns, one batch each, so the indexer's workers share the load. A restart
-    position beyond the log's high seqno means the indexer holds history this log does not
-    have (and did not roll back): an error.
+    Each vbucket goes in snapshots of up to `chunk_items` versions read from the log, each
+    document once at its latest version in the snapshot: the router's backfill path
+    (`chunks.read_backfill_chunk`, `chunks.snapshot_frames`). Vbuckets take turns, one snapshot
+    each, so the indexer's workers share the load. A restart position beyond the log's high
+    seqno means the indexer holds history this log does not have (and did not roll back): an
+    error.
     """
 
     def __init__(
-        self, reply: p.HandshakeReply, log: SourceLog, batch_records: int = BATCH_RECORDS
+        self,
+        reply: p.HandshakeReply,
+        log: SourceLog,
+        batch_records: int = BATCH_RECORDS,
+        chunk_items: int = LOG_CHUNK_ITEMS,
     ) -> None:
         self.log = log
         self.records = RecordEncoder(reply.indexes, reply.max_frame_bytes)
-        self.batches = Batcher(self.records.nkeys, batch_bytes(reply), log.vbuuid, batch_records)
+        self.batch_bytes = batch_bytes(reply)
+        self.batch_records = batch_records
+        self.chunk_items = chunk_items
         restart = {position.vbucket: position.seqno for position in reply.restart}
         self.restart = restart
         # Per vbucket with something to send: the last seqno taken so far, and the high seqno.
         self.positions: dict[int, int] = {}
         self.highs: dict[int, int] = {}
-        self.sent = 0
+        self.last: dict[int, int] = {}  # per vbucket begun, the end of its last snapshot
+        self.begun: set[int] = set()
+        self.sent = 0  # versions the snapshots sent cover
+        self.superseded = 0  # of them, left out for a later version in the same snapshot
         self.skipped = 0
         for vb in log.vbuckets_with_history():
             high = log.high_seqno(vb)
@@ -144,29 +158,33 @@ class LogEncoder:
                 self.positions[vb] = seqno
                 self.highs[vb] = high
 
-    @property
-    def begun(self) -> set[int]:
-        return self.batches.begun
-
     def frames(self) -> Iterator[tuple[list[bytes], int]]:
-        """(frames, records they carry) per batch, until every vbucket is sent."""
+        """(frames, versions they cover) per snapshot, until every vbucket is sent."""
         while self.positions:
             for vb in list(self.positions):
+                chunk = read_backfill_chunk(
+                    self.log, vb, self.positions[vb], self.highs[vb], self.chunk_items
+                )
                 frames: list[bytes] = []
-                count = 0
-                with closing(self.log.read(vb, self.positions[vb])) as versions:
-                    for seqno, document in versions:
-                        record = self.records.record(seqno, document)
-                        frames = self.batches.add(vb, seqno, record)
-                        self.positions[vb] = seqno
-                        count += 1
-                        if frames:
-                            break
-                if self.positions[vb] >= self.highs[vb] or not count:
+                if vb not in self.begun:
+                    self.begun.add(vb)
+                    frames.append(p.encode(p.StreamBegin(vb, self.log.vbuuid(vb))))
+                for piece, _ in snapshot_frames(
+                    self.records,
+                    self.batch_bytes,
+                    self.batch_records,
+                    vb,
+                    chunk.start,
+                    chunk.end,
+                    chunk.versions,
+                ):
+                    frames += piece
+                self.positions[vb] = self.last[vb] = chunk.end
+                if chunk.last or not chunk.read:
                     del self.positions[vb]
-                    frames += self.batches.flush(vb)
-                self.sent += count
-                yield frames, count
+                self.sent += chunk.read
+                self.superseded += chunk.read - len(chunk.versions)
+                yield frames, chunk.read
 
     def pending(self) -> int:
         """Mutations still to send (as the log stood when last looked at)."""
@@ -180,7 +198,7 @@ class LogEncoder:
         """
         for vb in self.log.vbuckets_with_history():
             high = self.log.high_seqno(vb)
-            done = self.positions.get(vb, self.batches.last.get(vb, self.restart.get(vb, 0)))
+            done = self.positions.get(vb, self.last.get(vb, self.restart.get(vb, 0)))
             if done > high:
                 raise FeedError(
                     f"vbucket {vb}: the indexer holds seqno {done} but the source log ends at"
@@ -192,10 +210,11 @@ class LogEncoder:
 
     def targets(self) -> dict[int, int]:
         """Per vbucket streamed, the seqno an ack must reach for everything to be persisted."""
-        return self.batches.targets()
+        return {vb: self.last[vb] for vb in self.begun}
 
     def ends(self) -> list[bytes]:
-        return self.batches.ends()
+        """STREAM_END of every vbucket begun."""
+        return [p.encode(p.StreamEnd(vb, self.log.vbuuid(vb))) for vb in sorted(self.begun)]
 
 
 @dataclass(frozen=True)

@@ -300,17 +300,18 @@ def _decode(frames: list[bytes]) -> list[p.Message]:
 
 
 def test_log_encoder_streams_after_the_restart_in_snapshots(tmp_path: Path) -> None:
-    a, b = docid_in(1), docid_in(4)
+    n = BATCH_RECORDS + 10
     with SourceLog(tmp_path, NUM_VBUCKETS) as log:
-        log.append([Document(a, {"v": i % 10}) for i in range(BATCH_RECORDS + 10)])
+        log.append([Document(docid_in(1, i), {"v": i % 10}) for i in range(n)])
+        b = docid_in(4)
         log.append([Document(b, {"v": 7}), Document(b, None), Document(b, {"w": 1})])
         log.failover(4)
-        encoder = LogEncoder(_reply({1: 5, 4: 0, 2: 0}), log)
+        encoder = LogEncoder(_reply({1: 5, 4: 0, 2: 0}), log, chunk_items=300)
         assert encoder.skipped == 5
         chunks = list(encoder.frames())
-        assert sum(n for _, n in chunks) == encoder.sent == BATCH_RECORDS + 5 + 3
+        assert sum(count for _, count in chunks) == encoder.sent == n - 5 + 3
         messages = _decode([f for frames, _ in chunks for f in frames])
-        # Vbuckets take turns: vbucket 1's first batch, vbucket 4 whole, the rest of 1.
+        # Vbuckets take turns, a snapshot of up to 300 versions each: 1, then 4, then 1 again.
         shapes = [
             (type(m).__name__, m.vbucket)
             for m in messages
@@ -329,17 +330,17 @@ def test_log_encoder_streams_after_the_restart_in_snapshots(tmp_path: Path) -> N
         begins = {m.vbucket: m.vbuuid for m in messages if isinstance(m, p.StreamBegin)}
         assert begins == {1: log.vbuuid(1), 4: log.vbuuid(4)}
         markers = [(m.vbucket, m.start, m.end) for m in messages if isinstance(m, p.SnapshotMarker)]
-        n = BATCH_RECORDS
-        assert markers == [(1, 6, 5 + n), (4, 1, 3), (1, 6 + n, 10 + n)]
+        assert markers == [(1, 6, 305), (4, 1, 3), (1, 306, n)]
         batches = [m for m in messages if isinstance(m, p.MutationBatch)]
-        assert [m.seqno for m in batches[0].mutations()] == list(range(6, 6 + BATCH_RECORDS))
+        assert [m.seqno for m in batches[0].mutations()] == list(range(6, 306))
+        assert [m.seqno for m in batches[2].mutations()] == list(range(306, n + 1))
+        # A snapshot carries each document once, at its latest version in it (as a backfill).
         four = batches[1].mutations()
         assert [(m.seqno, m.deleted, [bool(k) for k in m.keys]) for m in four] == [
-            (1, False, [True, True]),
-            (2, True, [False, False]),
             (3, False, [False, False]),
         ]
-        assert encoder.targets() == {1: BATCH_RECORDS + 10, 4: 3}
+        assert encoder.superseded == 2
+        assert encoder.targets() == {1: n, 4: 3}
         ends = _decode(encoder.ends())
         assert ends == [p.StreamEnd(1, log.vbuuid(1)), p.StreamEnd(4, log.vbuuid(4))]
 
