@@ -46,7 +46,7 @@ from indexer.metrics import process_started_at, version
 from indexer.router.appender import READ_BYTES, append_bytes
 from indexer.router.documents import routing_id, vbucket_of
 from indexer.router.pipe import MessageReader, PipeError
-from indexer.router.service import answer_lifespan, serve_asgi
+from indexer.router.service import answer_lifespan, read_body, serve_asgi
 from indexer.router.shard_pipe import (
     ACK,
     HELLO,
@@ -591,12 +591,9 @@ class ShardsApi:
     async def forward(
         self, shard: Shard, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]]
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body, error = await read_body(receive)  # bounded as the shard bounds it
+        if error is not None:
+            return _json(*error)
         if shard.url is None:
             return _json(
                 503, {"error": f"{shard.name} is starting again: retry"}, [(b"retry-after", b"1")]

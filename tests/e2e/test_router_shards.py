@@ -103,6 +103,8 @@ def test_shards_split_the_input_and_the_api_routes_to_them(
         assert answer.status_code == 200 and answer.json()["vbucket"] == vb, answer.text
     assert httpx.post(f"{url}/failover/1024", timeout=30).status_code == 400
     assert httpx.put(f"{url}/docs/x", content=b"[1]", timeout=30).status_code == 400
+    too_big = httpx.put(f"{url}/docs/x", content=b"x" * (2 << 20), timeout=30)
+    assert too_big.status_code == 413 and "bytes" in too_big.json()["error"]
     wait_equal(daemon, documents)
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert 'shard="0"' in metrics and 'shard="1"' in metrics
