@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import trio
 
 from indexer import protocol as p
-from indexer.reader import StreamRegistry
 from indexer.storage import IndexStore, StoredIndex
+from indexer.streams import StreamRegistry
 from slab import SlabPool
 from workers.flush import BackIndexCache, IndexWriter
 

@@ -27,9 +27,10 @@ from indexer.build import BuildShare, IndexBuild
 from indexer.protocol import ErrorCode, IndexDefinition
 from indexer.reader import Reader
 from indexer.storage import IndexStore, StoredIndex, StoreError
+from indexer.streams import IndexChange, StreamItem
 from indexer.timekeeper import Timekeeper
 from workers.flush import BackIndexCache, BuiltIndexMerge, IndexWriter
-from workers.worker import IndexChange, StreamItem, Worker
+from workers.worker import Worker
 
 log = logging.getLogger("indexer.catalog")
 

@@ -28,7 +28,7 @@ from indexer.config import Config
 from indexer.dispatch import dispatch
 from indexer.http import DaemonView, HttpApi
 from indexer.protocol import describe_source
-from indexer.reader import Reader, StreamRegistry
+from indexer.reader import Reader
 from indexer.recovery import RecoveryPoints
 from indexer.rollback import Rollback, recover_store
 from indexer.slices import SliceWatch
@@ -39,10 +39,12 @@ from indexer.snapshots import (
     read_persisted_state,
 )
 from indexer.storage import IndexStore
-from indexer.timekeeper import HighWaterTimestamp, Recovery, Timekeeper
+from indexer.streams import StreamItem, StreamRegistry
+from indexer.timekeeper import Recovery, Timekeeper
+from indexer.timestamps import HighWaterTimestamp
 from slab import MemoryThrottle, MutationRing, SlabPool, ThrottlePolicy
 from workers.flush import BackIndexCache, IndexWriter, entry_counts
-from workers.worker import StreamItem, Worker
+from workers.worker import Worker
 
 log = logging.getLogger("indexer.daemon")
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import trio
 
-from workers.worker import IndexChange, StreamItem
+from indexer.streams import IndexChange, StreamItem
 
 
 async def dispatch(

@@ -117,7 +117,6 @@ from indexer.metrics import (
     version,
 )
 from indexer.protocol import IndexDefinition, bearer_refusal
-from indexer.reader import StreamRegistry
 from indexer.scans import (
     EntryBatch,
     KeyRange,
@@ -134,7 +133,9 @@ from indexer.scans import (
 )
 from indexer.snapshots import RolledBackError, SnapshotStore, StabilitySnapshot
 from indexer.storage import IndexStore, StoredIndex
-from indexer.timekeeper import HighWaterTimestamp, Timekeeper
+from indexer.streams import StreamRegistry
+from indexer.timekeeper import Timekeeper
+from indexer.timestamps import HighWaterTimestamp
 from indexer.where import WhereError, normalize_where
 from slab import MemoryThrottle, SlabPool
 from workers.worker import Worker

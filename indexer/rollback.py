@@ -21,19 +21,15 @@ from pathlib import Path
 import trio
 
 from indexer.protocol import ErrorCode
-from indexer.reader import Reader, StreamRegistry
+from indexer.reader import Reader
 from indexer.recovery import clear, prune, restore
-from indexer.snapshots import (
-    PersistedState,
-    RecoveryPoint,
-    SnapshotStore,
-    StabilityTimestamp,
-    write_snapshot_file,
-)
+from indexer.snapshots import PersistedState, RecoveryPoint, SnapshotStore, write_snapshot_file
 from indexer.storage import IndexStore, StoredIndex
+from indexer.streams import IndexChange, StreamItem, StreamRegistry
 from indexer.timekeeper import Timekeeper
+from indexer.timestamps import StabilityTimestamp
 from workers.flush import BackIndexCache, entry_counts
-from workers.worker import IndexChange, StreamItem, Worker
+from workers.worker import Worker
 
 log = logging.getLogger("indexer.rollback")
 

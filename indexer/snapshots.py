@@ -19,8 +19,8 @@ from typing import Any
 
 import trio
 
-from indexer.protocol import VbucketPosition
 from indexer.recovery import FailoverLog
+from indexer.timestamps import StabilityTimestamp
 
 SNAPSHOT_FILE = "snapshot.json"
 FORMAT = 2  # 2 added recovery points and failover logs
@@ -31,31 +31,6 @@ log = logging.getLogger("indexer.snapshots")
 
 class SnapshotFileError(Exception):
     """The persisted snapshot file is unreadable or fails its checksum."""
-
-
-@dataclass(frozen=True)
-class StabilityTimestamp:
-    """A seqno and vbuuid per vbucket; everything at or below the seqnos is applied."""
-
-    seqnos: tuple[int, ...]
-    vbuuids: tuple[int, ...]
-
-    @classmethod
-    def zero(cls, num_vbuckets: int) -> StabilityTimestamp:
-        return cls((0,) * num_vbuckets, (0,) * num_vbuckets)
-
-    def covers(self, seqnos: Iterable[tuple[int, int]]) -> bool:
-        """True when every (vbucket, seqno) given is at or below this timestamp."""
-        mine = self.seqnos
-        return all(mine[vb] >= seqno for vb, seqno in seqnos)
-
-    def positions(self, vbuckets: Iterable[int]) -> tuple[VbucketPosition, ...]:
-        return tuple(VbucketPosition(vb, self.seqnos[vb], self.vbuuids[vb]) for vb in vbuckets)
-
-    @property
-    def total(self) -> int:
-        """Sum of seqnos: a rough count of what the timestamp covers, for logs."""
-        return sum(self.seqnos)
 
 
 def _checksum(body: dict[str, Any]) -> str:

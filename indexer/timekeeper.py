@@ -16,79 +16,29 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from indexer.metrics import FLUSH_BUCKETS_S, PERSIST_LAG_BUCKETS_S, Histogram
 from indexer.recovery import FailoverLog, RecoveryPoints
-from indexer.snapshots import (
-    PersistedState,
-    RecoveryPoint,
-    SnapshotStore,
-    StabilityTimestamp,
-    write_snapshot_file,
-)
+from indexer.snapshots import PersistedState, RecoveryPoint, SnapshotStore, write_snapshot_file
 from indexer.storage import IndexStore, StoredIndex, describe
-
-if TYPE_CHECKING:
-    from workers.worker import Worker
+from indexer.timestamps import HighWaterTimestamp, StabilityTimestamp
+from workers.flush import FlushResult
 
 log = logging.getLogger("indexer.timekeeper")
 PERSIST_FAILURE_LOG_S = 10.0
 
 
-class HighWaterTimestamp:
-    """Per vbucket: highest queued seqno, vbuuid, current snapshot marker, last complete snapshot.
+class QueueFlusher(Protocol):
+    """What the timekeeper asks of a worker: whether its queue is full (a flush is due early),
+    and to flush what it holds at or below a timestamp."""
 
-    Only the worker owning a vbucket writes its entries; the timekeeper reads them.
-    """
+    @property
+    def blocked(self) -> bool: ...
 
-    def __init__(self, start: StabilityTimestamp) -> None:
-        n = len(start.seqnos)
-        self.seqnos = list(start.seqnos)
-        self.vbuuids = list(start.vbuuids)
-        self.snapshot_start = list(start.seqnos)
-        self.snapshot_end = list(start.seqnos)
-        self.stable = list(start.seqnos)
-        self.num_vbuckets = n
-
-    def reset(self, start: StabilityTimestamp) -> None:
-        """After a rollback: everything restarts from `start`."""
-        self.seqnos[:] = start.seqnos
-        self.vbuuids[:] = start.vbuuids
-        self.snapshot_start[:] = start.seqnos
-        self.snapshot_end[:] = start.seqnos
-        self.stable[:] = start.seqnos
-
-    def reset_vbuckets(self, vbuckets: set[int]) -> None:
-        """Vbuckets handed to another node: they start from seqno 0 if they come back."""
-        for vb in vbuckets:
-            self.seqnos[vb] = self.snapshot_start[vb] = self.snapshot_end[vb] = 0
-            self.stable[vb] = 0
-
-    def record_begin(self, vbucket: int, vbuuid: int) -> None:
-        self.vbuuids[vbucket] = vbuuid
-
-    def record_marker(self, vbucket: int, start: int, end: int) -> None:
-        # A new marker closes the previous snapshot even if its last seqnos were deduplicated.
-        if self.snapshot_end[vbucket] > self.stable[vbucket]:
-            self.stable[vbucket] = max(self.seqnos[vbucket], self.stable[vbucket])
-        self.snapshot_start[vbucket] = start
-        self.snapshot_end[vbucket] = end
-
-    def record_mutations(self, vbucket: int, last_seqno: int) -> None:
-        self.seqnos[vbucket] = last_seqno
-        if last_seqno >= self.snapshot_end[vbucket]:
-            self.stable[vbucket] = last_seqno
-
-    def stability_timestamp(self) -> StabilityTimestamp:
-        """Aligned to snapshot markers: no vbucket shows half a snapshot."""
-        return StabilityTimestamp(tuple(self.stable), tuple(self.vbuuids))
-
-    def high_water(self) -> StabilityTimestamp:
-        """Everything queued, aligned or not."""
-        return StabilityTimestamp(tuple(self.seqnos), tuple(self.vbuuids))
+    async def flush(self, upto: Sequence[int]) -> FlushResult | None: ...
 
 
 @dataclass
@@ -120,7 +70,7 @@ class Timekeeper:
     def __init__(
         self,
         hwt: HighWaterTimestamp,
-        workers: Sequence[Worker],
+        workers: Sequence[QueueFlusher],
         store: IndexStore,
         snapshots: SnapshotStore,
         data_dir: Path,
@@ -270,7 +220,7 @@ class Timekeeper:
         results = []
         started = time.perf_counter()
 
-        async def flush_one(worker: Worker) -> None:
+        async def flush_one(worker: QueueFlusher) -> None:
             result = await worker.flush(upto)
             if result is not None:
                 results.append(result)

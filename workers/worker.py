@@ -17,31 +17,10 @@ from dataclasses import dataclass
 import trio
 
 from indexer.protocol import MutationBatch, SnapshotMarker, StreamBegin
-from indexer.timekeeper import HighWaterTimestamp
+from indexer.streams import IndexChange, StreamItem
+from indexer.timestamps import HighWaterTimestamp
 from slab import MutationRing, SlabPool
 from workers.flush import BatchWrites, FlushResult, IndexWriter
-
-
-class IndexChange:
-    """A marker sent through every worker's channel before the index definitions change.
-
-    When every worker has taken it, everything received before the change is in the rings.
-    """
-
-    def __init__(self, workers: int) -> None:
-        self._pending = workers
-        self._arrived = trio.Event()
-
-    def arrive(self) -> None:
-        self._pending -= 1
-        if self._pending == 0:
-            self._arrived.set()
-
-    async def wait(self) -> None:
-        await self._arrived.wait()
-
-
-StreamItem = StreamBegin | SnapshotMarker | MutationBatch | IndexChange
 
 log = logging.getLogger("indexer.worker")
 STALL_LOG_INTERVAL_S = 10.0

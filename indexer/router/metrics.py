@@ -27,15 +27,32 @@ a node's `HOST:PORT`, or `HOST:PORT/build:NAME` for a build stream, as in `/stat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from indexer.collector import CollectorPauses
 from indexer.metrics import build_info, collector_metrics, counter, gauge
+from indexer.router.appender import Appender
+from indexer.router.node_stream import NodeProgress
 
-if TYPE_CHECKING:
-    from indexer.router.service import DocsApi
+
+class RouterView(Protocol):
+    """What the collector reads of a router (its HTTP app, service.DocsApi)."""
+
+    @property
+    def appender(self) -> Appender: ...
+
+    @property
+    def progress(self) -> Mapping[str, NodeProgress]: ...
+
+    @property
+    def refused(self) -> int: ...
+
+    @property
+    def collector(self) -> CollectorPauses | None: ...
+
 
 PREFIX = "indexer_router"
 
@@ -52,7 +69,7 @@ class RouterCollector:
     """Reads the router's Mutation Manager, node progress, source log and counters when
     Prometheus scrapes (registered on the router app's own registry)."""
 
-    def __init__(self, api: DocsApi) -> None:
+    def __init__(self, api: RouterView) -> None:
         self.api = api
 
     def collect(self) -> Iterator[Metric]:
@@ -60,7 +77,7 @@ class RouterCollector:
         appender = api.appender
         mm = appender.mm.stats()
         source = appender.source
-        nodes = list(api.nodes.progress.items())
+        nodes = list(api.progress.items())
 
         yield build_info(PREFIX)
         for attribute, name, doc in NODE_COUNTERS:

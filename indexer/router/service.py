@@ -395,6 +395,11 @@ class DocsApi:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
+    @property
+    def progress(self) -> dict[str, NodeProgress]:
+        """Each node's stream, by HOST:PORT (and HOST:PORT/build:NAME)."""
+        return self.nodes.progress
+
     def _authorized(self, scope: dict[str, Any]) -> bool:
         """Whether the request may go on: a read, no token configured, or the right bearer
         token (compared in constant time; refusals are logged, never the token)."""

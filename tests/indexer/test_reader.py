@@ -6,7 +6,7 @@ import pytest
 
 from indexer import protocol as p
 from indexer.protocol import ErrorCode, ProtocolError
-from indexer.reader import Connection, StreamRegistry
+from indexer.streams import Connection, StreamRegistry
 
 N = 16
 

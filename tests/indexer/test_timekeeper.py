@@ -13,15 +13,16 @@ from indexer.keys import encode_key
 from indexer.snapshots import (
     SnapshotFileError,
     SnapshotStore,
-    StabilityTimestamp,
     read_snapshot_file,
     write_snapshot_file,
 )
 from indexer.storage import IndexStore
-from indexer.timekeeper import HighWaterTimestamp, Timekeeper
+from indexer.streams import StreamItem
+from indexer.timekeeper import Timekeeper
+from indexer.timestamps import HighWaterTimestamp, StabilityTimestamp
 from slab import MutationRing, SlabPool
 from workers.flush import BackIndexCache, IndexWriter
-from workers.worker import StreamItem, Worker
+from workers.worker import Worker
 
 N = 8
 DEFS = [p.IndexDefinition("by_n", ("n",))]

@@ -10,7 +10,7 @@ import pytest
 
 from indexer import protocol as p
 from indexer.protocol import ErrorCode, FrameDecoder, ProtocolError
-from indexer.reader import Connection, StreamRegistry
+from indexer.streams import Connection, StreamRegistry
 from tests.security.conftest import TOKEN, WRONG_TOKEN
 
 HEADER = struct.Struct(">IBB")

@@ -1,0 +1,115 @@
+"""The import rules of docs/architecture.md, checked on the source (an AST walk, no imports run):
+no circles between modules, and each layer imports only what it may."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("indexer", "slab", "workers", "config")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the project by its dotted name (a package by its own name)."""
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imported(name: str) -> Iterator[str]:
+    """Every module name `name` imports, anywhere in it (functions and TYPE_CHECKING blocks
+    too), as written: third-party ones included."""
+    tree = ast.parse(MODULES[name].read_text())
+    is_package = MODULES[name].name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package
+                package = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                base = ".".join([*package, *([base] if base else [])])
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def project_imports(name: str) -> set[str]:
+    """The project's modules `name` imports (not itself)."""
+    return {other for other in imported(name) if other in MODULES and other != name}
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    graph = {name: project_imports(name) for name in MODULES}
+    circles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        path.append(name)
+        for other in sorted(graph[name]):
+            if state.get(other) == 1:
+                circles.append([*path[path.index(other) :], other])
+            elif other not in state:
+                visit(other)
+        path.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    assert circles == [], "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+@pytest.mark.parametrize(
+    "codec", ["indexer.protocol", "indexer.router.pipe", "indexer.router.shard_pipe"]
+)
+def test_the_codecs_import_nothing_of_io_or_storage(codec: str) -> None:
+    forbidden = ("trio", "plyvel", "socket", "ssl", "indexer.storage", "workers", "slab")
+    found = {m for m in imported(codec) for f in forbidden if m == f or m.startswith(f + ".")}
+    assert found == set(), f"{codec} imports {sorted(found)}"
+
+
+def test_slab_imports_nothing_of_the_project() -> None:
+    for name in (m for m in MODULES if m.split(".")[0] == "slab"):
+        outside = {m for m in project_imports(name) if m.split(".")[0] != "slab"}
+        assert outside == set(), f"{name} imports {sorted(outside)}"
+
+
+def test_workers_know_nothing_of_http_or_scans() -> None:
+    forbidden = ("indexer.http", "indexer.scans", "hypercorn", "httpx", "indexer.cluster")
+    for name in (m for m in MODULES if m.split(".")[0] == "workers"):
+        found = {m for m in imported(name) for f in forbidden if m == f or m.startswith(f + ".")}
+        assert found == set(), f"{name} imports {sorted(found)}"
+
+
+def test_the_spark_source_reaches_a_daemon_only_over_http_or_a_stopped_store() -> None:
+    """No stage of a running daemon: the source reads over HTTP, or opens a store nobody runs."""
+    stages = (
+        "indexer.daemon", "indexer.reader", "indexer.streams", "indexer.dispatch",
+        "indexer.timekeeper", "indexer.catalog", "indexer.rollback", "indexer.build",
+        "indexer.http", "workers", "slab", "indexer.router",
+    )  # fmt: skip
+    spark = [m for m in MODULES if m == "indexer.spark" or m.startswith("indexer.spark.")]
+    assert spark, "no Spark source found"
+    for name in spark:
+        found = {m for m in imported(name) for s in stages if m == s or m.startswith(s + ".")}
+        assert found == set(), f"{name} imports {sorted(found)}"
+
+
+def test_the_walk_finds_imports_in_functions_and_type_checking_blocks() -> None:
+    """The rules are only as good as the walk: it sees lazy and typing-only imports."""
+    assert "indexer.router.service" in project_imports("indexer.cli")  # inside a command
+    assert any(m.startswith("indexer.") for m in project_imports("indexer.router.shards"))
