@@ -24,13 +24,10 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 
 from indexer.build import BuildShare, IndexBuild
+from indexer.pipeline import Pipeline, PipelineClosed
 from indexer.protocol import ErrorCode, IndexDefinition
-from indexer.reader import Reader
-from indexer.storage import IndexStore, StoredIndex, StoreError
-from indexer.streams import IndexChange, StreamItem
-from indexer.timekeeper import Timekeeper
-from workers.flush import BackIndexCache, BuiltIndexMerge, IndexWriter
-from workers.worker import Worker
+from indexer.storage import StoredIndex, StoreError
+from workers.flush import BuiltIndexMerge, IndexWriter
 
 log = logging.getLogger("indexer.catalog")
 
@@ -62,25 +59,14 @@ class CatalogError(Exception):
 class IndexCatalog:
     """The live set of indexes, and the one place that changes it."""
 
-    def __init__(
-        self,
-        store: IndexStore,
-        indexes: list[StoredIndex],
-        reader: Reader,
-        workers: list[Worker],
-        timekeeper: Timekeeper,
-        cache: BackIndexCache,
-        items: trio.MemorySendChannel[list[StreamItem]],
-        lock: trio.Lock | None = None,
-    ) -> None:
-        self.store = store
-        self.indexes = indexes  # shared with the HTTP API's view: changed in place
-        self.reader = reader
-        self.workers = workers
-        self.timekeeper = timekeeper
-        self.cache = cache
-        self.items = items
-        self._lock = lock or trio.Lock()  # shared with the rollback: one change at a time
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.store = pipeline.store
+        self.indexes = pipeline.indexes  # shared with the HTTP API's view: changed in place
+        self.reader = reader = pipeline.reader
+        self.workers = workers = pipeline.workers
+        self.timekeeper = pipeline.timekeeper
+        self.cache = cache = pipeline.cache
         self.builds = reader.builds  # name -> build, shared with the reader and the HTTP API
         self.cache_capacity = cache.capacity
         self.build_share = BuildShare(workers[0].pool)
@@ -90,7 +76,7 @@ class IndexCatalog:
         self.merged = 0
         # The indexes whose keys maintenance records carry, in record order: the active ones
         # and those being built. A merge leaves it as it is; creates and drops change it.
-        self.columns: list[IndexDefinition] = [i.definition for i in indexes]
+        self.columns: list[IndexDefinition] = [i.definition for i in self.indexes]
         # While a merge holds flushes, maintenance's queues grow and wait for the build: the
         # build must not wait behind them for its last flushes.
         self._merging = False
@@ -269,7 +255,7 @@ class IndexCatalog:
         try:
             while merge.step(MERGE_SLICE_S):
                 await trio.sleep(MERGE_PAUSE_S)
-            async with self._lock:
+            async with self.pipeline.lock:  # a merge pauses flushes only, not the routers
                 if self.builds.get(name) is not build:  # dropped meanwhile
                     return False
                 if self._stopping:
@@ -378,18 +364,8 @@ class IndexCatalog:
         """A change between two epochs of the stream (index set, slice; see module doc):
         routers are closed with `code`, `before` runs once everything received is queued,
         `apply` once it is written; then routers may connect again."""
-        async with self._lock:
-            self.reader.close_connections(code, message)
-            try:
-                while self.reader.connected:
-                    await trio.sleep(0.01)
-                marker = IndexChange(len(self.workers))
-                try:
-                    async with self.items.clone() as items:
-                        await items.send([marker])
-                except trio.ClosedResourceError:
-                    raise CatalogError(503, "the daemon is shutting down") from None
-                await marker.wait()
+        try:
+            async with self.pipeline.quiesced(code, message, columns=lambda: self.columns):
                 if before is not None:
                     await before()
 
@@ -401,8 +377,8 @@ class IndexCatalog:
                     self.switch_writers()
 
                 await self.timekeeper.drain_all(switch)
-            finally:
-                self.reader.reopen(self.columns)
+        except PipelineClosed:
+            raise CatalogError(503, "the daemon is shutting down") from None
 
 
 class _GiveUp(Exception):

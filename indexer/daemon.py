@@ -27,6 +27,7 @@ from indexer.compaction import Compactor
 from indexer.config import Config
 from indexer.dispatch import dispatch
 from indexer.http import DaemonView, HttpApi
+from indexer.pipeline import Pipeline
 from indexer.protocol import describe_source
 from indexer.reader import Reader
 from indexer.recovery import RecoveryPoints
@@ -213,10 +214,19 @@ async def serve(
             max_connections=config.limits.max_feed_connections,
             handshake_timeout_s=config.limits.handshake_timeout_s,
         )
-        pipeline_lock = trio.Lock()  # index changes and rollbacks, one at a time
-        catalog = IndexCatalog(
-            store, indexes, reader, workers, timekeeper, cache, to_dispatch, pipeline_lock
+        pipeline = Pipeline(
+            store,
+            indexes,
+            registry,
+            reader,
+            workers,
+            timekeeper,
+            snapshots,
+            cache,
+            to_dispatch,
+            server.data_dir,
         )
+        catalog = IndexCatalog(pipeline)
         for index in stored:
             if index.state == "building":
                 build = catalog.add_build(index)
@@ -228,19 +238,7 @@ async def serve(
         # Maintenance records carry the keys of the indexes being built too; writers skip them.
         catalog.switch_writers()
         reader.reopen(catalog.columns)
-        reader.rollback = Rollback(
-            store,
-            indexes,
-            reader,
-            registry,
-            workers,
-            timekeeper,
-            snapshots,
-            cache,
-            to_dispatch,
-            server.data_dir,
-            pipeline_lock,
-        )
+        reader.rollback = Rollback(pipeline)
         reader.rollback.restart_builds = catalog.restart_builds
         reader.record_source = store.record_source
         view = DaemonView(
@@ -271,10 +269,10 @@ async def serve(
                     services.start_soon(watch.run)
                 async with trio.open_nursery() as keeping:
                     keeping.start_soon(timekeeper.run)
-                    async with trio.open_nursery() as pipeline:
+                    async with trio.open_nursery() as stages:
                         for worker, (_, receive) in zip(workers, channels, strict=True):
-                            pipeline.start_soon(worker.run, receive)
-                        pipeline.start_soon(dispatch, from_readers, [s for s, _ in channels])
+                            stages.start_soon(worker.run, receive)
+                        stages.start_soon(dispatch, from_readers, [s for s, _ in channels])
                         async with to_dispatch:
                             await _intake(config, reader, view, http_port, ready)
                         # Build streams ended with intake: a merge must not wait for them.

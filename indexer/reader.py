@@ -68,6 +68,7 @@ class Reader:
         self._open = trio.Event()
         self._open.set()
         self._live: dict[int, trio.CancelScope] = {}
+        self._closed_one = trio.Event()  # set (and replaced) whenever a connection ends
         self._kick: tuple[ErrorCode, str] | None = None
         # Indexes being built, by name (shared with the catalog), and the build connections.
         self.builds: dict[str, IndexBuild] = {}
@@ -94,6 +95,11 @@ class Reader:
     def connected(self) -> int:
         """Open maintenance connections (build streams are not counted)."""
         return len(self._live) - len(self._build_conns)
+
+    async def wait_connected(self, at_most: int) -> None:
+        """Until at most `at_most` maintenance connections are open (after close_connections)."""
+        while self.connected > at_most:
+            await self._closed_one.wait()
 
     def building(self) -> tuple[str, ...]:
         """The indexes whose build streams routers should open."""
@@ -143,6 +149,8 @@ class Reader:
                     del self._live[conn_id]
                     self._build_conns.pop(conn_id, None)
                     self._build_kicks.pop(conn_id, None)
+                    self._closed_one.set()
+                    self._closed_one = trio.Event()
         finally:
             reg.connections -= 1
 

@@ -20,16 +20,13 @@ from pathlib import Path
 
 import trio
 
+from indexer.pipeline import Pipeline
 from indexer.protocol import ErrorCode
-from indexer.reader import Reader
 from indexer.recovery import clear, prune, restore
-from indexer.snapshots import PersistedState, RecoveryPoint, SnapshotStore, write_snapshot_file
+from indexer.snapshots import PersistedState, RecoveryPoint, write_snapshot_file
 from indexer.storage import IndexStore, StoredIndex
-from indexer.streams import IndexChange, StreamItem, StreamRegistry
-from indexer.timekeeper import Timekeeper
 from indexer.timestamps import StabilityTimestamp
-from workers.flush import BackIndexCache, entry_counts
-from workers.worker import Worker
+from workers.flush import entry_counts
 
 log = logging.getLogger("indexer.rollback")
 
@@ -84,56 +81,29 @@ def recover_store(
 class Rollback:
     """Rolls the whole index back for a router whose history diverged (see module doc)."""
 
-    def __init__(
-        self,
-        store: IndexStore,
-        indexes: list[StoredIndex],
-        reader: Reader,
-        registry: StreamRegistry,
-        workers: list[Worker],
-        timekeeper: Timekeeper,
-        snapshots: SnapshotStore,
-        cache: BackIndexCache,
-        items: trio.MemorySendChannel[list[StreamItem]],
-        data_dir: Path,
-        lock: trio.Lock,
-    ) -> None:
-        self.store = store
-        self.indexes = indexes  # the live list, shared with the catalog
-        self.reader = reader
-        self.registry = registry
-        self.workers = workers
-        self.timekeeper = timekeeper
-        self.snapshots = snapshots
-        self.cache = cache
-        self.items = items
-        self.data_dir = data_dir
-        self.lock = lock  # shared with the catalog: one change of the pipeline at a time
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.store = pipeline.store
+        self.indexes = pipeline.indexes  # the live list, shared with the catalog
+        self.registry = pipeline.registry
+        self.timekeeper = pipeline.timekeeper
+        self.snapshots = pipeline.snapshots
+        self.cache = pipeline.cache
+        self.data_dir = pipeline.data_dir
         self.count = 0
         # Runs after each rollback, pipeline still stopped: index builds start again from zero
         # (what they wrote may belong to the history that did not survive).
         self.restart_builds: Callable[[], Awaitable[None]] | None = None
 
     async def __call__(self, conn_id: int, needs: dict[int, int]) -> None:
-        async with self.lock:
-            self.reader.close_connections(
-                ErrorCode.ROLLBACK,
-                "the index rolls back after a failover of another router's source: handshake again",
-                keep=conn_id,
-            )
-            try:
-                while self.reader.connected > 1:
-                    await trio.sleep(0.01)
-                marker = IndexChange(len(self.workers))
-                async with self.items.clone() as items:
-                    await items.send([marker])
-                await marker.wait()
-                async with self.timekeeper.stopped_flushes():
-                    await self._roll_back(needs)
-                    if self.restart_builds is not None:
-                        await self.restart_builds()
-            finally:
-                self.reader.reopen()
+        reason = "the index rolls back after a failover of another router's source: handshake again"
+        async with (
+            self.pipeline.quiesced(ErrorCode.ROLLBACK, reason, keep=conn_id),
+            self.timekeeper.stopped_flushes(),
+        ):
+            await self._roll_back(needs)
+            if self.restart_builds is not None:
+                await self.restart_builds()
 
     async def _roll_back(self, needs: dict[int, int]) -> None:
         started = time.monotonic()
