@@ -242,15 +242,10 @@ async def serve(
         reader.rollback.restart_builds = catalog.restart_builds
         reader.record_source = store.record_source
         view = DaemonView(
-            store,
-            indexes,
-            snapshots,
-            registry,
+            pipeline,
             hwt,
-            workers,
             pool,
             throttle,
-            timekeeper,
             config.snapshots.in_memory_interval_s,
             catalog,
             Compactor(store, config.compaction.interval_s),

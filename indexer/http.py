@@ -116,6 +116,7 @@ from indexer.metrics import (
     process_started_at,
     version,
 )
+from indexer.pipeline import Pipeline
 from indexer.protocol import IndexDefinition, bearer_refusal
 from indexer.scans import (
     EntryBatch,
@@ -183,20 +184,39 @@ class ApiError(Exception):
 class DaemonView:
     """The parts of the running daemon the API reads; it changes nothing but pins."""
 
-    store: IndexStore
-    indexes: list[StoredIndex]
-    snapshots: SnapshotStore
-    registry: StreamRegistry
+    pipeline: Pipeline
     hwt: HighWaterTimestamp
-    workers: list[Worker]
     pool: SlabPool
     throttle: MemoryThrottle
-    timekeeper: Timekeeper
     in_memory_interval_s: float
     catalog: IndexCatalog | None = None
     compactor: Compactor | None = None
     collector: CollectorPauses | None = None
     ready: bool = False
+
+    @property
+    def store(self) -> IndexStore:
+        return self.pipeline.store
+
+    @property
+    def indexes(self) -> list[StoredIndex]:
+        return self.pipeline.indexes
+
+    @property
+    def snapshots(self) -> SnapshotStore:
+        return self.pipeline.snapshots
+
+    @property
+    def registry(self) -> StreamRegistry:
+        return self.pipeline.registry
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.pipeline.workers
+
+    @property
+    def timekeeper(self) -> Timekeeper:
+        return self.pipeline.timekeeper
 
 
 @dataclass
