@@ -958,7 +958,9 @@ class Api:
     @property
     def headers(self) -> dict[str, str]:
         """The Authorization header of the token, if any."""
-        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+        from indexer.client import bearer
+
+        return bearer(self.token)
 
 
 def _api(
@@ -1000,11 +1002,9 @@ def _client_security(
 
 
 def _http_error(response: Any) -> NoReturn:
-    try:
-        message = response.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text.strip()[:200]
-    fail(f"HTTP {response.status_code}: {message}")
+    from indexer.client import error_text
+
+    fail(f"HTTP {response.status_code}: {error_text(response.content)}")
 
 
 def _get_json(

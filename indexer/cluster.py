@@ -237,7 +237,9 @@ def scan_cluster(
     """
     import httpx
 
-    headers = {"authorization": f"Bearer {token}"} if token else {}
+    from indexer.client import bearer, error_text
+
+    headers = bearer(token)
     verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
     with (
         httpx.Client(timeout=timeout, headers=headers, verify=verify) as client,
@@ -252,11 +254,7 @@ def scan_cluster(
             except httpx.HTTPError as exc:
                 raise ClusterScanError(f"node {node.name} ({base}): {exc}") from None
             if response.status_code != 200:
-                response.read()
-                try:
-                    message = response.json()["error"]
-                except (ValueError, KeyError, TypeError):
-                    message = response.text.strip()[:200]
+                message = error_text(response.read())
                 raise ClusterScanError(
                     f"node {node.name} ({base}): HTTP {response.status_code}: {message}"
                 )

@@ -95,6 +95,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from indexer.build import IndexBuild
 from indexer.catalog import CatalogError, IndexCatalog
+from indexer.client import (
+    ARROW_STREAM,
+    AUTHORIZATION,
+    JSON,
+    NDJSON,
+    RETRY_AFTER,
+    SEQNO_SUM_HEADER,
+    SNAPSHOT_HEADER,
+)
 from indexer.collector import CollectorPauses
 from indexer.compaction import Compactor
 from indexer.config import (
@@ -143,8 +152,7 @@ from workers.worker import Worker
 
 log = logging.getLogger("indexer.http")
 
-ARROW = "application/vnd.apache.arrow.stream"
-NDJSON = "application/x-ndjson"
+ARROW = ARROW_STREAM  # the media types and header names are the clients' too
 SCAN_CHUNK = 8192
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_LEASE_S = 600.0
@@ -288,7 +296,7 @@ class HttpApi:
         if path == "/health":
             _only(method, "GET", "HEAD")
             if not self.view.ready:
-                raise ApiError(503, "starting", {"retry-after": "1"})
+                raise ApiError(503, "starting", {RETRY_AFTER: "1"})
             await _json(send, 200, {"status": "ok"})
         elif path == "/stats":
             _only(method, "GET")
@@ -384,7 +392,7 @@ class HttpApi:
             return
         if method in READ_METHODS and not self.security.scan_token_required:
             return
-        refusal = bearer_refusal(headers.get("authorization", ""), token)
+        refusal = bearer_refusal(headers.get(AUTHORIZATION, ""), token)
         if refusal is None:
             return
         reason, error = refusal
@@ -410,7 +418,7 @@ class HttpApi:
                 429,
                 f"{most} scans are running, the most this daemon serves at once "
                 "(limits.max_concurrent_scans): retry shortly",
-                {"retry-after": "1"},
+                {RETRY_AFTER: "1"},
             )
         self.scans_in_flight += 1
         try:
@@ -522,7 +530,7 @@ class HttpApi:
         snaps = self.view.snapshots
         if target is None:
             if snaps.stable is None:
-                raise ApiError(503, "no readable snapshot yet", {"retry-after": "1"})
+                raise ApiError(503, "no readable snapshot yet", {RETRY_AFTER: "1"})
             return snaps.stable
         with trio.move_on_after(timeout_s):
             try:
@@ -542,7 +550,7 @@ class HttpApi:
             snap = await self._snapshot_for("at_plus", body["at_plus"], timeout)
         elif which == "persisted":
             if snaps.persisted_snapshot is None:
-                raise ApiError(503, "no persisted snapshot yet", {"retry-after": "1"})
+                raise ApiError(503, "no persisted snapshot yet", {RETRY_AFTER: "1"})
             snap = snaps.persisted_snapshot
         elif which == "stable":
             snap = await self._snapshot_for("any", None, timeout)
@@ -614,7 +622,7 @@ class HttpApi:
     ) -> int:
         """Answer a scan (or with `count_only` a count); the rows it returned."""
         if self.view.throttle.paused:
-            raise ApiError(503, "the daemon is short of memory; retry later", {"retry-after": "2"})
+            raise ApiError(503, "the daemon is short of memory; retry later", {RETRY_AFTER: "2"})
         limit = None
         if "limit" in query:
             limit = int(_number(query["limit"], "limit", 0, 2**62))
@@ -631,8 +639,8 @@ class HttpApi:
             if most and not count_only and limit is None:
                 await self._check_rows(index, snap, bounds, most)
             meta = {
-                "x-indexer-snapshot": str(snap.number),
-                "x-indexer-seqno-sum": str(snap.timestamp.total),
+                SNAPSHOT_HEADER: str(snap.number),
+                SEQNO_SUM_HEADER: str(snap.timestamp.total),
             }
             if count_only:
                 n = snap.entry_counts.get(index.definition.name)
@@ -1173,4 +1181,4 @@ async def _respond(
 
 
 async def _json(send: Send, status: int, value: Any, extra: dict[str, str] | None = None) -> None:
-    await _respond(send, status, json.dumps(value).encode() + b"\n", "application/json", extra)
+    await _respond(send, status, json.dumps(value).encode() + b"\n", JSON, extra)

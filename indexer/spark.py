@@ -31,9 +31,6 @@ import struct
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +68,8 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from indexer.client import ARROW_STREAM, ClientError, request
+from indexer.client import Access as Access  # the source's users take it from here
 from indexer.cluster import ClusterMap, ClusterMapError, load_cluster_map
 from indexer.keys import MISSING, encode_key
 from indexer.scans import (
@@ -85,7 +84,6 @@ from indexer.scans import (
 from indexer.storage import IndexStore, StoredIndex, StoreError, StoreLockedError
 
 FORMAT = "indexer"
-ARROW_STREAM = "application/vnd.apache.arrow.stream"
 DEFAULT_PARTITIONS = 4
 DEFAULT_LEASE_S = 600.0
 DEFAULT_TIMEOUT_S = 120.0
@@ -107,28 +105,6 @@ log = logging.getLogger(__name__)
 
 class IndexerSourceError(Exception):
     """The source cannot read: bad options, the daemon said no, the store is held. One line."""
-
-
-@dataclass(frozen=True)
-class Access:
-    """How requests reach a daemon: the bearer token of its `[security]`, the CA certificates
-    (PEM text, read once on the driver) its TLS certificate must chain to, and whether cluster
-    map nodes are asked over HTTPS. The token is kept out of reprs."""
-
-    token: str | None = dataclasses.field(default=None, repr=False)
-    ca_pem: str | None = None
-    tls: bool = False
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    def context(self) -> ssl.SSLContext | None:
-        """The TLS context checking the daemon: the given CAs, else None (the system's)."""
-        if self.ca_pem is None:
-            return None
-        context = ssl.create_default_context(cadata=self.ca_pem)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        return context
 
 
 def _access(opts: Mapping[str, str]) -> Access:
@@ -296,62 +272,12 @@ class Pin:
     access: Access = dataclasses.field(default_factory=Access, repr=False)  # to release it
 
 
-def _http(
-    method: str,
-    url: str,
-    path: str,
-    *,
-    params: Mapping[str, Any] | None = None,
-    body: Any = None,
-    accept: str = "application/json",
-    timeout: float = DEFAULT_TIMEOUT_S,
-    access: Access | None = None,
-) -> Any:
-    """Send one request; the open response on 2xx, else IndexerSourceError naming the cause.
-
-    A 503 with Retry-After (starting, no snapshot yet, short of memory) is retried until
-    `timeout` seconds have passed. `access` adds the bearer token and checks TLS with its CAs.
-    """
-    query = ("?" + urllib.parse.urlencode(params)) if params else ""
-    data = json.dumps(body).encode() if body is not None else None
-    deadline = time.monotonic() + timeout
-    access = access or Access()
-    context = access.context()
-    while True:
-        request = urllib.request.Request(url + path + query, data=data, method=method)
-        request.add_header("Accept", accept)
-        for name, value in access.headers().items():
-            request.add_header(name, value)
-        if data is not None:
-            request.add_header("Content-Type", "application/json")
-        try:
-            return urllib.request.urlopen(request, timeout=timeout, context=context)
-        except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            retry = _retry_after(exc)
-            if retry is not None and time.monotonic() + retry < deadline:
-                time.sleep(retry)
-                continue
-            try:
-                message = json.loads(raw)["error"]
-            except (ValueError, KeyError, TypeError):
-                message = raw.decode("utf-8", "replace").strip()[:200] or exc.reason
-            raise IndexerSourceError(
-                f"indexer at {url}: {method} {path}: HTTP {exc.code}: {message}"
-            ) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise IndexerSourceError(f"cannot reach the indexer at {url}: {reason}") from None
-
-
-def _retry_after(exc: urllib.error.HTTPError) -> float | None:
-    """Seconds to wait before retrying a 503 that says when, else None."""
-    if exc.code != 503:
-        return None
+def _http(method: str, url: str, path: str, **kwargs: Any) -> Any:
+    """`client.request`, its failure as the source's error."""
     try:
-        return min(max(float(exc.headers.get("Retry-After", "")), 0.1), 10.0)
-    except ValueError:
-        return None
+        return request(method, url, path, **kwargs)
+    except ClientError as exc:
+        raise IndexerSourceError(str(exc)) from None
 
 
 def _json_call(method: str, url: str, path: str, **kwargs: Any) -> Any:
