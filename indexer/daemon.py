@@ -16,11 +16,10 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import trio
-from hypercorn.logging import Logger as HypercornLogger
 
+from indexer.asgi import serve_asgi
 from indexer.catalog import IndexCatalog
 from indexer.collector import freeze_long_lived, rare_collections
 from indexer.compaction import Compactor
@@ -293,43 +292,18 @@ async def _serve_http(
     config: Config, api: HttpApi, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """The HTTP API under hypercorn (trio worker) until cancelled; reports the bound port."""
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve as hypercorn_serve
-
     server = config.server
-    hyper = HypercornConfig()
-    hyper.bind = [f"{server.host}:{server.http_port}"]
-    hyper.accesslog = None
-    hyper.errorlog = logging.getLogger("indexer.http")
-    hyper.graceful_timeout = 1.0
     security = config.security
+    tls = None
     if security.tls_cert is not None and security.tls_key is not None:
-        # hypercorn wraps each connection in a trio.SSLStream (its trio.SSLListener).
-        hyper.certfile = str(security.tls_cert)
-        hyper.keyfile = str(security.tls_key)
-        hyper.ssl_handshake_timeout = config.limits.handshake_timeout_s
-
-    async def started(task_status: trio.TaskStatus[list[str]]) -> None:
-        await hypercorn_serve(api, hyper, mode="asgi", task_status=task_status)  # type: ignore[arg-type]
-
-    hyper.logger_class = _HypercornLog
+        tls = (security.tls_cert, security.tls_key, config.limits.handshake_timeout_s)
+    address = (server.host, server.http_port)
     async with trio.open_nursery() as nursery:
         try:
-            binds = await nursery.start(started)
+            url = await nursery.start(serve_asgi, address, api, "indexer.http", tls)
         except* OSError as group:
             raise _listen_error(server.host, server.http_port, "http", group) from None
-        port = int(binds[0].rsplit(":", 1)[1]) if binds else server.http_port
-        task_status.started(port)
-
-
-class _HypercornLog(HypercornLogger):
-    """hypercorn's log of the daemon's HTTP server, less its "Running on ... (CTRL + C to quit)"
-    banner: the daemon logs where it serves itself, and stops on SIGINT or SIGTERM."""
-
-    async def info(self, message: str, *args: Any, **kwargs: Any) -> None:
-        if message.startswith("Running on ") and message.endswith("(CTRL + C to quit)"):
-            return
-        await super().info(message, *args, **kwargs)
+        task_status.started(int(url.rsplit(":", 1)[1]))
 
 
 def _listen_error(

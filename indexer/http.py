@@ -93,6 +93,7 @@ import trio
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from indexer.asgi import answer_lifespan
 from indexer.build import IndexBuild
 from indexer.catalog import CatalogError, IndexCatalog
 from indexer.client import (
@@ -263,14 +264,8 @@ class HttpApi:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"]
-                if kind == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif kind == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         if scope["method"] == "HEAD":

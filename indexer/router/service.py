@@ -27,6 +27,7 @@ import trio
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
 from indexer import protocol as p
+from indexer.asgi import answer_lifespan, serve_asgi
 from indexer.collector import CollectorPauses, rare_collections
 from indexer.metrics import process_started_at, version
 from indexer.router.appender import READ_BYTES, Appender, append_bytes, parse_lines
@@ -554,47 +555,6 @@ async def read_body(
             return body, None
 
 
-async def answer_lifespan(
-    receive: Callable[[], Awaitable[dict[str, Any]]],
-    send: Callable[[dict[str, Any]], Awaitable[None]],
-    on_shutdown: Callable[[], Awaitable[None]] | None = None,
-) -> None:
-    """An ASGI app's lifespan: start-up at once; at shutdown, `on_shutdown` first."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            if on_shutdown is not None:
-                await on_shutdown()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-async def serve_asgi(
-    address: Address,
-    app: Callable[..., Awaitable[None]],
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """An ASGI app under hypercorn until cancelled; reports the bound address."""
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve as hypercorn_serve
-
-    host, port = address
-    hyper = HypercornConfig()
-    hyper.bind = [f"{host}:{port}"]
-    hyper.accesslog = None
-    hyper.errorlog = logging.getLogger("indexer.router.http")
-    hyper.graceful_timeout = 1.0
-
-    async def started(task_status: trio.TaskStatus[list[str]]) -> None:
-        await hypercorn_serve(app, hyper, mode="asgi", task_status=task_status)
-
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(started)
-        task_status.started(binds[0] if binds else f"http://{host}:{port}")
-
-
 async def serve_http(
     address: Address,
     appender: Appender,
@@ -606,7 +566,7 @@ async def serve_http(
     """The documents API until cancelled; reports the bound address. With a token, changes
     need it as a bearer token."""
     app = DocsApi(appender, nodes, token, collector)
-    await serve_asgi(address, app, task_status=task_status)
+    await serve_asgi(address, app, "indexer.router.http", task_status=task_status)
 
 
 class ClusterWatch:

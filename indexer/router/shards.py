@@ -41,12 +41,13 @@ from typing import Any
 import httpx
 import trio
 
+from indexer.asgi import answer_lifespan, serve_asgi
 from indexer.collector import rare_collections
 from indexer.metrics import process_started_at, version
 from indexer.router.appender import READ_BYTES, append_bytes
 from indexer.router.documents import routing_id, vbucket_of
 from indexer.router.pipe import MessageReader, PipeError
-from indexer.router.service import answer_lifespan, read_body, serve_asgi
+from indexer.router.service import read_body
 from indexer.router.shard_pipe import (
     ACK,
     HELLO,
@@ -747,7 +748,7 @@ async def run_sharded_router(options: ShardedOptions) -> None:
                 )  # fmt: skip
             if options.http is not None:
                 api = ShardsApi(layout, shards)
-                url = await nursery.start(serve_asgi, options.http, api)
+                url = await nursery.start(serve_asgi, options.http, api, "indexer.router.http")
                 log.info(
                     "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats, "
                     "GET /metrics)",
