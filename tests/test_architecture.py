@@ -111,5 +111,5 @@ def test_the_spark_source_reaches_a_daemon_only_over_http_or_a_stopped_store() -
 
 def test_the_walk_finds_imports_in_functions_and_type_checking_blocks() -> None:
     """The rules are only as good as the walk: it sees lazy and typing-only imports."""
-    assert "indexer.router.service" in project_imports("indexer.cli")  # inside a command
+    assert "indexer.router.service" in project_imports("indexer.cli.feeds")  # inside a command
     assert any(m.startswith("indexer.") for m in project_imports("indexer.router.shards"))

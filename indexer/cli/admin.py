@@ -1,0 +1,577 @@
+"""The operator's commands: `dump` (a stopped node's store) and the HTTP API's clients (stats,
+list-indexes, scan, count, health, create-index, drop-index, compact)."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    pass
+from indexer.cli.common import (
+    DIR,
+    FILE,
+    JSON_OUTPUT_OPTION,
+    SERVE_CONFIG_HELP,
+    Api,
+    ApiOptions,
+    _client_security,
+    _config,
+    _data_dir,
+    _get_json,
+    _http_error,
+    _index_name,
+    api_options,
+    fail,
+)
+
+
+@click.command()
+@click.argument("name")
+@click.option(
+    "--data-dir", type=DIR, metavar="DIR", help="A stopped node's data (default: server.data_dir)."
+)
+@click.option("--config", "config_file", type=FILE, metavar="FILE", help=SERVE_CONFIG_HELP)
+def dump(name: str, data_dir: Path | None, config_file: Path | None) -> None:
+    """Print index NAME as JSONL in index order, from a store no daemon holds.
+
+    Examples:
+
+    \b
+      indexer dump by_city --data-dir data
+      indexer dump by_age --config my.toml | head
+    """
+    from indexer.dump import dump_lines
+    from indexer.keys import KeyEncodingError
+    from indexer.storage import StoreError, StoreLockedError
+
+    _index_name(name)
+    config = _config(config_file, data_dir=_data_dir(data_dir))
+    try:
+        out = sys.stdout
+        for line in dump_lines(config.server.data_dir, name):
+            out.write(line + "\n")
+    except StoreLockedError as exc:
+        fail(f"cannot dump while a daemon runs: {exc}")
+    except (StoreError, KeyEncodingError) as exc:
+        fail(str(exc))
+    except BrokenPipeError:
+        sys.stderr.close()
+
+
+@click.command()
+@api_options
+@JSON_OUTPUT_OPTION
+def stats(
+    daemon: ApiOptions,
+    as_json: bool,
+) -> None:
+    """Print the daemon's statistics (GET /stats): one figure per line, named by its path in
+    the JSON answer (like queues[0].stalls), or with --json the answer itself.
+
+    Examples:
+
+    \b
+      indexer stats --url http://127.0.0.1:9102
+      indexer stats --json | jq .persisted
+    """
+    import json
+
+    api = daemon.connect()
+    answer = _get_json(api, "/stats")
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    rows = list(_figures(answer))
+    width = max((len(name) for name, _ in rows), default=0)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+
+
+def _figures(value: Any, path: str = "") -> Iterator[tuple[str, str]]:
+    """The figures of a JSON answer as (path, text) rows: objects' keys joined with dots, the
+    items of lists of objects numbered, lists of numbers on one row."""
+    if isinstance(value, dict) and value:
+        for key, inner in value.items():
+            yield from _figures(inner, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+        for i, inner in enumerate(value):
+            yield from _figures(inner, f"{path}[{i}]")
+    else:
+        yield path, _figure(value)
+
+
+def _figure(value: Any) -> str:
+    """A JSON scalar (or a list of them) as the stats table shows it."""
+    if value is None or value == {} or value == []:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return ", ".join(_figure(v) for v in value)
+    return str(value)
+
+
+@click.command()
+@api_options
+@click.option(
+    "--data-dir",
+    type=DIR,
+    metavar="DIR",
+    help="Compact this data directory in-process instead (no daemon may hold it).",
+)
+def compact(
+    daemon: ApiOptions,
+    data_dir: Path | None,
+) -> None:
+    """Compact the store of a running daemon (POST /compact), or of a data directory no daemon
+    holds; prints the bytes on disk before and after as JSON.
+
+    Examples:
+
+    \b
+      indexer compact --url http://127.0.0.1:9102
+      indexer compact --data-dir data
+    """
+    import json
+
+    data_dir = _data_dir(data_dir)
+    if data_dir is None:
+        import httpx
+
+        api = daemon.connect()
+        try:
+            response = httpx.post(
+                f"{api.base}/compact", timeout=None, headers=api.headers, verify=api.verify
+            )
+        except httpx.HTTPError as exc:
+            fail(f"cannot reach the daemon at {api.base}: {exc}")
+        if response.status_code != 200:
+            _http_error(response)
+        click.echo(json.dumps(response.json()))
+        return
+    if daemon.url is not None:
+        fail("give --url or --data-dir, not both", 2)
+    from indexer.compaction import compact_store
+    from indexer.storage import IndexStore, StoreError, StoreLockedError
+
+    try:
+        with IndexStore(data_dir, create=False) as store:
+            result = compact_store(store, "requested")
+    except StoreLockedError as exc:
+        fail(f"cannot compact in-process while a daemon runs (use --url): {exc}")
+    except StoreError as exc:
+        fail(str(exc))
+    click.echo(json.dumps(result.as_dict()))
+
+
+@click.command("list-indexes")
+@api_options
+@JSON_OUTPUT_OPTION
+def list_indexes(
+    daemon: ApiOptions,
+    as_json: bool,
+) -> None:
+    """List the indexes, one per line: name, keys, state (with a build's progress), entries and
+    condition, separated by tabs; or with --json the answer of GET /indexes.
+
+    Examples:
+
+    \b
+      indexer list-indexes --url http://127.0.0.1:9102
+      indexer list-indexes --json | jq -r '.indexes[].name'
+    """
+    api = daemon.connect()
+    answer = _get_json(api, "/indexes")
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    for index in answer["indexes"]:
+        state = index["state"]
+        if "build" in index:
+            state += f" {index['build']['percent']:g}%"
+        line = f"{index['name']}\t{','.join(index['keys'])}\t{state}\t{index['entries']}"
+        click.echo(line + (f"\tWHERE {index['where']}" if index.get("where") else ""))
+
+
+def query_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the options of a scan's or a count's query: the range and the consistency."""
+    options = (
+        click.option(
+            "--eq", metavar="JSON", help="The key (or a prefix of it, as a list) to match."
+        ),
+        click.option(
+            "--low", metavar="JSON", help="The lower bound (a value, or a list: a key prefix)."
+        ),
+        click.option(
+            "--high", metavar="JSON", help="The upper bound (a value, or a list: a key prefix)."
+        ),
+        click.option(
+            "--inclusion",
+            type=click.Choice(["both", "low", "high", "neither"]),
+            default="both",
+            show_default=True,
+            help="Which of the bounds --low and --high are in the range.",
+        ),
+        click.option(
+            "--consistency",
+            type=click.Choice(["any", "request_plus"]),
+            default="any",
+            show_default=True,
+            help="any: the latest readable snapshot at once; request_plus: wait for one holding "
+            "everything the daemon had received when asked.",
+        ),
+        click.option(
+            "--at-plus",
+            "at_plus",
+            metavar="JSON",
+            help='Wait for a snapshot covering {"vbucket": seqno, ...}, or the line '
+            "`indexer feed --wait visible` prints (session consistency).",
+        ),
+        click.option(
+            "--timeout",
+            type=click.FloatRange(0),
+            metavar="SECONDS",
+            default=120,
+            show_default=True,
+            help="How long the daemon may wait for the snapshot asked for (then HTTP 504).",
+        ),
+    )
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _query_params(
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    inclusion: str,
+    consistency: str,
+    at_plus: str | None,
+    timeout: float,
+) -> dict[str, Any]:
+    """The query string of `query_options`' values; exit 2 when they are not JSON or clash."""
+    if eq is not None and (low is not None or high is not None):
+        fail("give --eq or --low/--high, not both", 2)
+    params: dict[str, Any] = {
+        "consistency": consistency,
+        "inclusion": inclusion,
+        "timeout": timeout,
+    }
+    for key, value in (("eq", eq), ("low", low), ("high", high)):
+        if value is not None:
+            try:
+                json.loads(value)
+            except ValueError:
+                fail(f"--{key}: not JSON: {value}", 2)
+            params[key] = value
+    if at_plus is not None:
+        try:
+            vector = json.loads(at_plus)
+        except ValueError:
+            fail(f"--at-plus: not JSON: {at_plus}", 2)
+        if isinstance(vector, dict) and set(vector) == {"at_plus"}:
+            vector = vector["at_plus"]
+        params["consistency"] = "at_plus"
+        params["at_plus"] = json.dumps(vector)
+    return params
+
+
+@click.command()
+@click.argument("name")
+@api_options
+@query_options
+@click.option(
+    "--limit", type=click.IntRange(0), metavar="N", help="Print N entries at most (the first)."
+)
+@click.option(
+    "--cluster-map",
+    type=FILE,
+    metavar="FILE",
+    help="Scan every node of this cluster map and merge the rows in index order.",
+)
+def scan(
+    name: str,
+    daemon: ApiOptions,
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    inclusion: str,
+    consistency: str,
+    at_plus: str | None,
+    limit: int | None,
+    timeout: float,
+    cluster_map: Path | None,
+) -> None:
+    """Print index NAME's entries (JSONL, index order) from the running daemon, or from every
+    node of a cluster map.
+
+    Examples:
+
+    \b
+      indexer scan by_city --low '"Berlin"' --high '"Oslo"' --limit 10
+      indexer scan by_age --eq 30 --consistency request_plus
+    """
+    import httpx
+
+    _index_name(name)
+    params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
+    if limit is not None:
+        params["limit"] = limit
+    if cluster_map is not None:
+        if daemon.url is not None:
+            fail("give --url or --cluster-map, not both", 2)
+        # The nodes' addresses come from the map; a configuration gives its token and TLS.
+        config = _config(daemon.config_file) if daemon.config_file is not None else None
+        bearer, context = _client_security(config, daemon.token, daemon.token_file, daemon.tls_ca)
+        _scan_cluster(cluster_map, name, params, timeout + 30, bearer, context)
+        return
+    api = daemon.connect()
+    base = api.base
+    try:
+        with httpx.stream(
+            "GET",
+            f"{base}/indexes/{name}/scan",
+            params=params,
+            timeout=timeout + 30,
+            headers=api.headers,
+            verify=api.verify,
+        ) as response:
+            if response.status_code != 200:
+                response.read()
+                _http_error(response)
+            out = sys.stdout
+            for line in response.iter_lines():
+                if line:
+                    out.write(line + "\n")
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {base}: {exc}")
+    except BrokenPipeError:
+        sys.stderr.close()
+
+
+def _scan_cluster(
+    path: Path,
+    name: str,
+    params: dict[str, Any],
+    timeout: float,
+    token: str | None,
+    ssl_context: ssl.SSLContext | None,
+) -> None:
+    import json
+
+    from indexer.cluster import ClusterMapError, ClusterScanError, load_cluster_map, scan_cluster
+
+    try:
+        cluster = load_cluster_map(path)
+    except ClusterMapError as exc:
+        fail(str(exc), 2)
+    try:
+        with scan_cluster(
+            cluster, name, params, timeout, token=token, ssl_context=ssl_context
+        ) as rows:
+            out = sys.stdout
+            for row in rows:
+                out.write(json.dumps(row, ensure_ascii=False, separators=(", ", ": ")) + "\n")
+    except ClusterScanError as exc:
+        fail(str(exc))
+    except BrokenPipeError:
+        sys.stderr.close()
+
+
+@click.command()
+@click.argument("name")
+@api_options
+@query_options
+def count(
+    name: str,
+    daemon: ApiOptions,
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    inclusion: str,
+    consistency: str,
+    at_plus: str | None,
+    timeout: float,
+) -> None:
+    """Print the number of index NAME's entries, of all or of a range (GET
+    /indexes/NAME/count).
+
+    Examples:
+
+    \b
+      indexer count by_age --consistency request_plus
+      indexer count by_age --low 18 --high 30 --inclusion low
+    """
+    _index_name(name)
+    params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
+    # The daemon answers 504 after `timeout`: the client waits a little longer.
+    answer = _get_json(daemon.connect(), f"/indexes/{name}/count", params, timeout + 30)
+    click.echo(answer["count"])
+
+
+@click.command()
+@api_options
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0, min_open=True),
+    metavar="SECONDS",
+    default=10.0,
+    show_default=True,
+    help="How long to wait for the answer.",
+)
+def health(daemon: ApiOptions, timeout: float) -> None:
+    """Exit 0 when the daemon answers GET /health (it is ready), else 1 with one line saying
+    why (unreachable, or starting).
+
+    Examples:
+
+    \b
+      indexer health --url http://127.0.0.1:9102
+      until indexer health 2>/dev/null; do sleep 1; done
+    """
+    import httpx
+
+    api = daemon.connect()
+    try:
+        response = httpx.get(
+            f"{api.base}/health", timeout=timeout, headers=api.headers, verify=api.verify
+        )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {api.base}: {exc}")
+    if response.status_code != 200:
+        try:
+            reason = response.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            reason = response.text.strip()[:200]
+        fail(f"the daemon at {api.base} is not healthy: HTTP {response.status_code}: {reason}")
+    click.echo(f"{api.base}: ok")
+
+
+@click.command("create-index")
+@click.argument("name")
+@click.option(
+    "--keys", required=True, metavar="PATHS", help="Field paths of the key, comma-separated."
+)
+@click.option(
+    "--where", metavar="CONDITION", help='A condition for a partial index, like "age >= 18".'
+)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait until the index is active, with a progress bar while it is built.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="SECONDS",
+    default=3600.0,
+    show_default=True,
+    help="How long --wait waits at most.",
+)
+@api_options
+def create_index(
+    name: str,
+    keys: str,
+    where: str | None,
+    wait: bool,
+    timeout: float,
+    daemon: ApiOptions,
+) -> None:
+    """Create index NAME on a running daemon. Over data already streamed it is built first
+    (state building, then catchup) and becomes active once caught up.
+
+    Examples:
+
+    \b
+      indexer create-index by_zip --keys address.zip,name --wait
+      indexer create-index adults --keys age --where "age >= 18"
+    """
+    import httpx
+
+    _index_name(name)
+    api = daemon.connect()
+    base = api.base
+    body: dict[str, Any] = {"name": name, "keys": [k.strip() for k in keys.split(",") if k.strip()]}
+    if where is not None:
+        body["where"] = where
+    try:
+        response = httpx.post(
+            f"{base}/indexes", json=body, timeout=120, headers=api.headers, verify=api.verify
+        )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {base}: {exc}")
+    if response.status_code != 201:
+        _http_error(response)
+    created = response.json()
+    condition = f" WHERE {created['where']}" if created.get("where") else ""
+    click.echo(
+        f"created {created['name']}({', '.join(created['keys'])}){condition}: {created['state']}"
+    )
+    if wait and created["state"] != "active":
+        _wait_built(api, name, timeout)
+
+
+def _wait_built(api: Api, name: str, timeout: float) -> None:
+    """Poll the index's state, showing its build progress, until it is active."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    shown = 0
+    with click.progressbar(length=100, label=f"building {name}", file=sys.stderr) as bar:
+        while True:
+            indexes = {i["name"]: i for i in _get_json(api, "/indexes")["indexes"]}
+            entry = indexes.get(name)
+            if entry is None:
+                fail(f"index {name} is gone (dropped during its build?)")
+            if entry["state"] == "active":
+                bar.update(100 - shown)
+                break
+            percent = int(entry.get("build", {}).get("percent", 0))
+            if percent > shown:
+                bar.update(percent - shown)
+                shown = percent
+            if time.monotonic() > deadline:
+                fail(f"index {name} is still {entry['state']} after {timeout:g} s")
+            time.sleep(0.2)
+    click.echo(f"{name}: active")
+
+
+@click.command("drop-index")
+@click.argument("name")
+@api_options
+def drop_index(
+    name: str,
+    daemon: ApiOptions,
+) -> None:
+    """Drop index NAME on a running daemon and delete its entries.
+
+    Examples:
+
+    \b
+      indexer drop-index by_zip
+      indexer drop-index by_zip --url http://127.0.0.1:9102
+    """
+    import httpx
+
+    _index_name(name)
+    api = daemon.connect()
+    base = api.base
+    try:
+        response = httpx.delete(
+            f"{base}/indexes/{name}", timeout=600, headers=api.headers, verify=api.verify
+        )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the daemon at {base}: {exc}")
+    if response.status_code != 204:
+        _http_error(response)
+    click.echo(f"dropped {name}")
