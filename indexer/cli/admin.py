@@ -21,6 +21,7 @@ from indexer.cli.common import (
     SERVE_CONFIG_HELP,
     Api,
     ApiOptions,
+    _call,
     _client_security,
     _config,
     _data_dir,
@@ -145,15 +146,8 @@ def compact(
 
     data_dir = _data_dir(data_dir)
     if data_dir is None:
-        import httpx
-
         api = daemon.connect()
-        try:
-            response = httpx.post(
-                f"{api.base}/compact", timeout=None, headers=api.headers, verify=api.verify
-            )
-        except httpx.HTTPError as exc:
-            fail(f"cannot reach the daemon at {api.base}: {exc}")
+        response = _call(api, "POST", "/compact", timeout=None)
         if response.status_code != 200:
             _http_error(response)
         click.echo(json.dumps(response.json()))
@@ -439,20 +433,12 @@ def health(daemon: ApiOptions, timeout: float) -> None:
       indexer health --url http://127.0.0.1:9102
       until indexer health 2>/dev/null; do sleep 1; done
     """
-    import httpx
+    from indexer.client import error_text
 
     api = daemon.connect()
-    try:
-        response = httpx.get(
-            f"{api.base}/health", timeout=timeout, headers=api.headers, verify=api.verify
-        )
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach the daemon at {api.base}: {exc}")
+    response = _call(api, "GET", "/health", timeout=timeout)
     if response.status_code != 200:
-        try:
-            reason = response.json()["error"]
-        except (ValueError, KeyError, TypeError):
-            reason = response.text.strip()[:200]
+        reason = error_text(response.content)
         fail(f"the daemon at {api.base} is not healthy: HTTP {response.status_code}: {reason}")
     click.echo(f"{api.base}: ok")
 
@@ -496,20 +482,12 @@ def create_index(
       indexer create-index by_zip --keys address.zip,name --wait
       indexer create-index adults --keys age --where "age >= 18"
     """
-    import httpx
-
     _index_name(name)
     api = daemon.connect()
-    base = api.base
     body: dict[str, Any] = {"name": name, "keys": [k.strip() for k in keys.split(",") if k.strip()]}
     if where is not None:
         body["where"] = where
-    try:
-        response = httpx.post(
-            f"{base}/indexes", json=body, timeout=120, headers=api.headers, verify=api.verify
-        )
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach the daemon at {base}: {exc}")
+    response = _call(api, "POST", "/indexes", body=body, timeout=120)
     if response.status_code != 201:
         _http_error(response)
     created = response.json()
@@ -561,17 +539,9 @@ def drop_index(
       indexer drop-index by_zip
       indexer drop-index by_zip --url http://127.0.0.1:9102
     """
-    import httpx
-
     _index_name(name)
     api = daemon.connect()
-    base = api.base
-    try:
-        response = httpx.delete(
-            f"{base}/indexes/{name}", timeout=600, headers=api.headers, verify=api.verify
-        )
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach the daemon at {base}: {exc}")
+    response = _call(api, "DELETE", f"/indexes/{name}", timeout=600)
     if response.status_code != 204:
         _http_error(response)
     click.echo(f"dropped {name}")

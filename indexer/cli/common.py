@@ -237,17 +237,37 @@ def _http_error(response: Any) -> NoReturn:
     fail(f"HTTP {response.status_code}: {error_text(response.content)}")
 
 
-def _get_json(
-    api: Api, path: str, params: dict[str, Any] | None = None, timeout: float = 30
+def _call(
+    api: Api,
+    method: str,
+    path: str,
+    *,
+    params: dict[str, Any] | None = None,
+    body: Any = None,
+    timeout: float | None = 30,
 ) -> Any:
+    """One request to the daemon (its httpx response); a failure to reach it ends the command
+    with one line."""
     import httpx
 
     try:
-        response = httpx.get(
-            api.base + path, params=params, timeout=timeout, headers=api.headers, verify=api.verify
+        return httpx.request(
+            method,
+            api.base + path,
+            params=params,
+            json=body,
+            timeout=timeout,
+            headers=api.headers,
+            verify=api.verify,
         )
     except httpx.HTTPError as exc:
         fail(f"cannot reach the daemon at {api.base}: {exc}")
+
+
+def _get_json(
+    api: Api, path: str, params: dict[str, Any] | None = None, timeout: float = 30
+) -> Any:
+    response = _call(api, "GET", path, params=params, timeout=timeout)
     if response.status_code != 200:
         _http_error(response)
     return response.json()
