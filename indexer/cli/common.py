@@ -108,19 +108,13 @@ TOKEN_HELP = (
     "The indexer's shared token (default: $INDEXER_TOKEN). On the command line it shows in the "
     "process list: prefer --token-file or the variable."
 )
-
-
 TOKEN_OPTION = click.option("--token", metavar="TOKEN", help=TOKEN_HELP)
-
-
 TOKEN_FILE_OPTION = click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
     metavar="FILE",
     help="A file holding the indexer's shared token (its first line).",
 )
-
-
 TLS_CA_OPTION = click.option(
     "--tls-ca",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -128,25 +122,15 @@ TLS_CA_OPTION = click.option(
     help="A PEM file of CA certificates to check the indexer's TLS certificate with (for a "
     "self-signed certificate, the certificate itself).",
 )
-
-
 TLS_OPTION = click.option(
     "--tls",
     is_flag=True,
     help="Connect to the feed port with TLS, checking its certificate with the system's CAs "
     "(or --tls-ca, which implies --tls).",
 )
-
-
 FILE = click.Path(dir_okay=False, path_type=Path)
-
-
 DIR = click.Path(file_okay=False, path_type=Path)
-
-
 PORT = click.IntRange(0, 65535)
-
-
 SERVE_CONFIG_HELP = "A TOML configuration overriding the embedded default's keys."
 
 
@@ -274,8 +258,6 @@ def _get_json(
 
 
 URL_ENV = "INDEXER_URL"
-
-
 URL_OPTION = click.option(
     "--url",
     metavar="URL",
@@ -284,8 +266,6 @@ URL_OPTION = click.option(
     help="The daemon's HTTP API, like http://127.0.0.1:9102 (default: the address of --config "
     "if given, else $INDEXER_URL, else the embedded configuration's).",
 )
-
-
 CONFIG_OPTION = click.option(
     "--config",
     "config_file",

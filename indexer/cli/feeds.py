@@ -32,32 +32,24 @@ if TYPE_CHECKING:
     from indexer.router.feed import FeedSecurity
 
 APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteBatch each)
-
-
 JSONL_OPTION = click.option(
     "--jsonl",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     metavar="FILE",
     help='Documents, one per line: {"id":..,"doc":{..}} or {"id":..,"deleted":true}.',
 )
-
-
 GENERATE_OPTION = click.option(
     "--generate",
     type=click.IntRange(1),
     metavar="N",
     help="Generate N mutations: a seeded workload of documents and deletes.",
 )
-
-
 KEYS_OPTION = click.option(
     "--keys",
     type=click.IntRange(1),
     metavar="N",
     help="The document ids --generate draws from (default: a fifth of its N).",
 )
-
-
 DELETE_RATIO_OPTION = click.option(
     "--delete-ratio",
     type=click.FloatRange(0, 1),
@@ -66,8 +58,6 @@ DELETE_RATIO_OPTION = click.option(
     show_default=True,
     help="The share of --generate's mutations that are deletes.",
 )
-
-
 SEED_OPTION = click.option(
     "--seed",
     type=int,

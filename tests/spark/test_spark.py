@@ -373,12 +373,12 @@ def test_the_pushdown_default_follows_the_running_spark_and_the_option_wins(
         assert not source.default_pushdown
         assert "shares one read plan" in source.default_pushdown_reason
     try:
-        monkeypatch.setattr("indexer.spark.read_plan_per_scan", lambda _: True)
+        monkeypatch.setattr("indexer.spark.sessions.read_plan_per_scan", lambda _: True)
         assert register(spark).default_pushdown
         assert not filtered_by_spark(read(spark, typed, url=url, index="by_age").filter("age < 30"))
         df = read(spark, typed, url=url, index="by_age", pushdown="false")
         assert filtered_by_spark(df.filter("age < 30"))
-        monkeypatch.setattr("indexer.spark.read_plan_per_scan", lambda _: False)
+        monkeypatch.setattr("indexer.spark.sessions.read_plan_per_scan", lambda _: False)
         assert not register(spark).default_pushdown
         df = read(spark, typed, url=url, index="by_age", pushdown="true")
         assert not filtered_by_spark(df.filter("age < 30"))

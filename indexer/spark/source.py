@@ -1,0 +1,388 @@
+"""The data source classes Spark calls: the source, its reader, its partitions."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    Filter,
+    InputPartition,
+)
+from pyspark.sql.types import (
+    StructType,
+)
+
+from indexer.client import ARROW_STREAM
+from indexer.keys import encode_key
+from indexer.scans import (
+    KeyRange,
+    Row,
+    iterate,
+    json_text,
+    splits,
+)
+from indexer.spark.columns import (
+    accepts,
+    apply_filters,
+    convert,
+    default_schema,
+    filter_range,
+    intersect,
+    plan_columns,
+)
+from indexer.spark.offline import (
+    BATCH_ROWS,
+    OFFLINE_CHUNK_ROWS,
+    PLANNING_LOCK_WAIT_S,
+    _offline_keys,
+    _open_store,
+    _stored_index,
+    offline_snapshot,
+)
+from indexer.spark.options import (
+    DEFAULT_PARTITIONS,
+    FORMAT,
+    IndexerSourceError,
+    SourceOptions,
+)
+from indexer.spark.pins import (
+    Target,
+    _given_pins,
+    _http,
+    _json_call,
+    _on_each,
+    _pin_each,
+    _release_each,
+    _results,
+    _targets,
+    index_keys,
+    index_keys_everywhere,
+    share_partitions,
+)
+
+
+class IndexerPartition(InputPartition):
+    """One key range of the index, read at one snapshot (a pin, or the store as it is); with a
+    cluster map, of one node (`url`, `node`), at that node's pin."""
+
+    def __init__(
+        self,
+        number: int,
+        start: bytes | None,
+        stop: bytes | None,
+        pin: str | None,
+        snapshot_checksum: str | None = None,
+        empty: bool = False,
+        url: str | None = None,
+        node: str | None = None,
+    ) -> None:
+        super().__init__(number)
+        self.number = number
+        self.start = start
+        self.stop = stop
+        self.pin = pin
+        self.snapshot_checksum = snapshot_checksum
+        self.empty = empty
+        self.url = url  # the daemon to read (None: the url option's)
+        self.node = node  # its name in the cluster map
+
+
+class IndexerDataSource(DataSource):
+    """`spark.read.format("indexer")`: options url, path or cluster_map, index, partitions,
+    snapshot, at_plus, pin, lease_s, timeout, pushdown (docs/spark.md), and token, token_file,
+    tls, tls_ca for a daemon with a token or TLS (docs/security.md)."""
+
+    default_partitions: int | None = None  # set by `register` to spark's default parallelism
+    default_pushdown: bool = False  # set by `register`: on when the Spark keeps plans per scan
+    default_pushdown_reason: str = "the source registered without register(): off"
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> StructType:
+        options = SourceOptions.parse(self.options)
+        return default_schema(_keys(options))
+
+    def reader(self, schema: StructType) -> IndexerReader:
+        options = SourceOptions.parse(self.options, self.default_pushdown)
+        parts = options.partitions or self.default_partitions or DEFAULT_PARTITIONS
+        return IndexerReader(options, schema, _keys(options), parts)
+
+
+def _keys(options: SourceOptions) -> list[str]:
+    if options.cluster_map is not None:
+        return index_keys_everywhere(_targets(options), options.index, options.timeout)
+    if options.url is not None:
+        return index_keys(options.url, options.index, options.timeout, options.access)
+    assert options.path is not None
+    return _offline_keys(options.path, options.index)
+
+
+class IndexerReader(DataSourceReader):
+    """Plans partitions over one snapshot and reads each as Arrow record batches."""
+
+    def __init__(
+        self, options: SourceOptions, schema: StructType, keys: list[str], partitions: int
+    ) -> None:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        self.options = options
+        self.keys = keys
+        self.columns = plan_columns(schema, keys)
+        self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
+        self.parts = partitions
+        self.pushed: list[tuple[str, Any]] = []
+        self.leading = next((i for i, c in enumerate(self.columns) if c.position == 0), None)
+
+    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
+        """Take the comparisons on the leading key column; hand every other filter back."""
+        if not self.options.pushdown:
+            yield from filters
+            return
+        for f in filters:
+            taken = None
+            if self.leading is not None:
+                column = self.columns[self.leading]
+                if getattr(f, "attribute", None) == (column.name,):
+                    taken = accepts(column, f)
+            if taken is None:
+                yield f
+            else:
+                self.pushed.append(taken)
+
+    def key_range(self) -> KeyRange | None:
+        """What the pushed filters leave of the key space (None: nothing)."""
+        if self.leading is None:
+            return KeyRange()
+        bounds = filter_range(self.columns[self.leading].kind, self.pushed)
+        return intersect(bounds, KeyRange())
+
+    def partitions(self) -> list[InputPartition]:
+        """Pin the snapshot (on every node of a cluster map), split the index into ranges of
+        about equal size, cut by filters."""
+        wanted = self.key_range()
+        if self.options.path is None:
+            out = self._online_partitions(wanted)
+            return out or [IndexerPartition(0, None, None, None, empty=True)]
+        found = offline_snapshot(self.options.path)
+        checksum = found.checksum if found else None
+        ranges = self._offline_ranges() if wanted is not None else []
+        out = []
+        for r in ranges:
+            cut = intersect(r, wanted or KeyRange())
+            if cut is not None:
+                out.append(IndexerPartition(len(out), cut.start, cut.stop, None, checksum))
+        return out or [IndexerPartition(0, None, None, None, checksum, empty=True)]
+
+    def _online_partitions(self, wanted: KeyRange | None) -> list[InputPartition]:
+        """Pin (unless given) on each daemon, get its splits, cut them to `wanted`.
+
+        One daemon gets `partitions` splits; the nodes of a cluster map share them out in
+        proportion to their entries at their pins, at least one each. A pin the partitions do
+        not use (the filters cut all of its node's ranges away) is released at once, and so is
+        every pin made if planning fails; the others live out their lease (docs/spark.md).
+        """
+        options = self.options
+        if wanted is None:  # the filters leave nothing: no pin, no partition to read
+            return []
+        targets = _targets(options)
+        if options.pin is not None:
+            pin_ids, made = _given_pins(options.pin, targets), []
+        else:
+            made = _pin_each(
+                targets, options.snapshot, options.at_plus, options.lease_s, options.timeout
+            )
+            pin_ids = [pin.id for pin in made]
+        try:
+            if len(targets) == 1:
+                shares = [self.parts]
+            else:
+                counts = _results(_on_each(targets, lambda i, t: self._count(t, pin_ids[i])))
+                shares = share_partitions(counts, self.parts)
+            ranges = _results(
+                _on_each(targets, lambda i, t: self._splits(t, pin_ids[i], shares[i]))
+            )
+        except BaseException:
+            _release_each(made)
+            raise
+        out: list[InputPartition] = []
+        unused = []
+        for i, target in enumerate(targets):
+            before = len(out)
+            for r in ranges[i]:
+                cut = intersect(r, wanted)
+                if cut is not None:
+                    part = IndexerPartition(
+                        len(out), cut.start, cut.stop, pin_ids[i], url=target.url, node=target.node
+                    )
+                    out.append(part)
+            if len(out) == before and made:
+                unused.append(made[i])
+        _release_each(unused)
+        return out
+
+    def _count(self, target: Target, pin_id: str) -> int:
+        """The index's entries on `target` at its pin."""
+        path = f"/indexes/{self.options.index}/count"
+        answer = _json_call(
+            "GET",
+            target.url,
+            path,
+            params={"pin": pin_id},
+            timeout=self.options.timeout,
+            access=target.access,
+        )
+        return int(answer["count"])
+
+    def _splits(self, target: Target, pin_id: str, parts: int) -> list[KeyRange]:
+        """`parts` key ranges of about equal entry counts on `target` at its pin."""
+        answer = _json_call(
+            "GET",
+            target.url,
+            f"/indexes/{self.options.index}/splits",
+            params={"parts": parts, "pin": pin_id},
+            timeout=self.options.timeout,
+            access=target.access,
+        )
+        return [
+            KeyRange(
+                bytes.fromhex(s["start"]) if s["start"] else None,
+                bytes.fromhex(s["stop"]) if s["stop"] else None,
+            )
+            for s in answer["splits"]
+        ]
+
+    def _offline_ranges(self) -> list[KeyRange]:
+        """Splits of the index in the data directory, by a walk of its keys."""
+        assert self.options.path is not None
+        store = _open_store(self.options.path, PLANNING_LOCK_WAIT_S, planning=True)
+        try:
+            return splits(store, _stored_index(store, self.options.index), None, self.parts)
+        finally:
+            store.close()
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        """Arrow record batches of one partition, in index order."""
+        if not isinstance(partition, IndexerPartition) or partition.empty:
+            return
+        if self.options.path is None:
+            batches = self._read_online(partition)
+        else:
+            batches = self._read_offline(partition)
+        for batch in batches:
+            if self.leading is not None:
+                batch = apply_filters(batch, self.leading, self.pushed)
+            if batch.num_rows:
+                yield batch
+
+    # -- online
+
+    def _read_online(self, part: IndexerPartition) -> Iterator[Any]:
+        options = self.options
+        url = part.url or options.url
+        assert url is not None
+        target = Target(url, part.node)
+        params: dict[str, Any] = {"pin": part.pin}
+        if part.start is not None:
+            params["start"] = part.start.hex()
+        if part.stop is not None:
+            params["stop"] = part.stop.hex()
+        path = f"/indexes/{options.index}/scan"
+        try:
+            response = _http(
+                "GET",
+                url,
+                path,
+                params=params,
+                accept=ARROW_STREAM,
+                timeout=options.timeout,
+                access=options.access,
+            )
+        except IndexerSourceError as exc:
+            if "no pin" in str(exc) and options.pin is None:
+                raise IndexerSourceError(
+                    target.say(
+                        f"{exc}: a DataFrame reads the snapshot pinned when Spark planned it, "
+                        f"for lease_s={options.lease_s:g} s: load it again, or raise lease_s"
+                    )
+                ) from None
+            raise IndexerSourceError(target.say(str(exc))) from None
+        with response:
+            try:
+                stream = pa.ipc.open_stream(response)
+                for batch in stream:
+                    yield self._from_server(batch)
+            except (pa.ArrowInvalid, OSError, http.client.HTTPException) as exc:
+                raise IndexerSourceError(
+                    target.say(f"indexer at {url}: the scan stream broke off: {exc}")
+                ) from None
+
+    def _from_server(self, batch: Any) -> Any:
+        """A server batch (id, JSON text per key path) as the read schema wants it."""
+        arrays = []
+        for column in self.columns:
+            if column.kind == "id":
+                array = batch.column("id")
+            else:
+                array = batch.column(column.path)
+                if column.kind != "json":
+                    values = [
+                        None if t is None else convert(column.kind, json.loads(t))
+                        for t in array.to_pylist()
+                    ]
+                    array = pa.array(values, type=column.arrow)
+            if array.type != column.arrow:
+                array = array.cast(column.arrow)
+            arrays.append(array)
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
+
+    # -- offline
+
+    def _read_offline(self, part: IndexerPartition) -> Iterator[Any]:
+        """Read in chunks, holding the store's lock only while reading each chunk."""
+        options = self.options
+        assert options.path is not None
+        start = part.start
+        while True:
+            store = _open_store(options.path, options.timeout)
+            try:
+                found = offline_snapshot(options.path)
+                if (found.checksum if found else None) != part.snapshot_checksum:
+                    raise IndexerSourceError(
+                        f"the persisted snapshot in {options.path} changed during the read "
+                        "(a daemon ran on it): read again"
+                    )
+                stored = _stored_index(store, options.index)
+                bounds = KeyRange(start, part.stop)
+                rows = list(islice(iterate(store, stored, None, bounds), OFFLINE_CHUNK_ROWS))
+            finally:
+                store.close()
+            for i in range(0, len(rows), BATCH_ROWS):
+                yield self._from_rows(rows[i : i + BATCH_ROWS])
+            if len(rows) < OFFLINE_CHUNK_ROWS:
+                return
+            last = rows[-1]
+            # The entry after the last one read: its exact bytes, then the smallest successor.
+            start = encode_key(last.key) + last.docid.encode("utf-8") + b"\x00"
+
+    def _from_rows(self, rows: Sequence[Row]) -> Any:
+        arrays = []
+        for column in self.columns:
+            if column.kind == "id":
+                values: list[Any] = [r.docid for r in rows]
+            elif column.kind == "json":
+                j = column.position
+                values = [json_text(r.key[j]) for r in rows]
+            else:
+                j, kind = column.position, column.kind
+                values = [convert(kind, r.key[j]) for r in rows]
+            arrays.append(pa.array(values, type=column.arrow))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
