@@ -79,11 +79,7 @@ from indexer.spark.sessions import (
     register,
     session,
 )
-from indexer.spark.source import (
-    IndexerDataSource,
-    IndexerPartition,
-    IndexerReader,
-)
+from indexer.spark.source import IndexerDataSource, IndexerPartition, IndexerReader
 
 __all__ = [
     "BATCH_ROWS",

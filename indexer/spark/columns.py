@@ -36,15 +36,8 @@ from pyspark.sql.types import (
 )
 
 from indexer.keys import MISSING, encode_key
-from indexer.scans import (
-    AFTER_PREFIX,
-    KeyRange,
-    column_names,
-    json_text,
-)
-from indexer.spark.options import (
-    IndexerSourceError,
-)
+from indexer.scans import AFTER_PREFIX, KeyRange, column_names, json_text
+from indexer.spark.options import IndexerSourceError
 
 JSON_TEXT = "indexer.json_text"  # field metadata marking a column of JSON text (the default)
 

@@ -9,9 +9,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from indexer.spark.options import (
-    IndexerSourceError,
-)
+from indexer.spark.options import IndexerSourceError
 from indexer.storage import IndexStore, StoredIndex, StoreError, StoreLockedError
 
 OFFLINE_CHUNK_ROWS = 100_000  # rows read per hold of an offline store's lock

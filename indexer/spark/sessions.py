@@ -12,13 +12,8 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
-from indexer.spark.options import (
-    IndexerSourceError,
-    log,
-)
-from indexer.spark.source import (
-    IndexerDataSource,
-)
+from indexer.spark.options import IndexerSourceError, log
+from indexer.spark.source import IndexerDataSource
 
 # The JVM class whose private field `readInfo` tells that Spark keeps the read plan per scan
 PYTHON_SCAN_BUILDER = "org.apache.spark.sql.execution.datasources.v2.python.PythonScanBuilder"

@@ -9,25 +9,12 @@ from itertools import islice
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql.datasource import (
-    DataSource,
-    DataSourceReader,
-    Filter,
-    InputPartition,
-)
-from pyspark.sql.types import (
-    StructType,
-)
+from pyspark.sql.datasource import DataSource, DataSourceReader, Filter, InputPartition
+from pyspark.sql.types import StructType
 
 from indexer.client import ARROW_STREAM
 from indexer.keys import encode_key
-from indexer.scans import (
-    KeyRange,
-    Row,
-    iterate,
-    json_text,
-    splits,
-)
+from indexer.scans import KeyRange, Row, iterate, json_text, splits
 from indexer.spark.columns import (
     accepts,
     apply_filters,
@@ -46,12 +33,7 @@ from indexer.spark.offline import (
     _stored_index,
     offline_snapshot,
 )
-from indexer.spark.options import (
-    DEFAULT_PARTITIONS,
-    FORMAT,
-    IndexerSourceError,
-    SourceOptions,
-)
+from indexer.spark.options import DEFAULT_PARTITIONS, FORMAT, IndexerSourceError, SourceOptions
 from indexer.spark.pins import (
     Target,
     _given_pins,

@@ -1,0 +1,322 @@
+"""Scans, counts, splits and pins: reads of a snapshot at a chosen consistency."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pyarrow as pa
+import trio
+
+from indexer.client import NDJSON, RETRY_AFTER, SEQNO_SUM_HEADER, SNAPSHOT_HEADER
+from indexer.http.admin import AdminRoutes
+from indexer.http.wire import (
+    ARROW,
+    CONSISTENCIES,
+    DEFAULT_LEASE_S,
+    DEFAULT_TIMEOUT_S,
+    MAX_LEASE_S,
+    SCAN_CHUNK,
+    ApiError,
+    Send,
+    _arrow_chunk,
+    _Chunks,
+    _hex,
+    _json,
+    _ndjson_chunk,
+    _number,
+    _RowCount,
+    _start,
+    _vector,
+)
+from indexer.scans import (
+    EntryBatch,
+    KeyRange,
+    count_entries,
+    entry_batches,
+    key_range,
+    more_than,
+    parse_json_param,
+    splits,
+)
+from indexer.snapshots import RolledBackError, StabilitySnapshot
+from indexer.storage import StoredIndex
+
+log = logging.getLogger("indexer.http")
+
+
+class ScanRoutes(AdminRoutes):
+    """Reads: scans and counts of a snapshot at a consistency, splits, and pinned snapshots."""
+
+    @contextmanager
+    def _scan_slot(self) -> Iterator[None]:
+        """One of `limits.max_concurrent_scans` places, or 429 when all are taken."""
+        most = self.limits.max_concurrent_scans
+        if self.scans_in_flight >= most:
+            self.refused["too_many_scans"] += 1
+            log.warning("scan refused: %d scans running (limits.max_concurrent_scans)", most)
+            raise ApiError(
+                429,
+                f"{most} scans are running, the most this daemon serves at once "
+                "(limits.max_concurrent_scans): retry shortly",
+                {RETRY_AFTER: "1"},
+            )
+        self.scans_in_flight += 1
+        try:
+            yield
+        finally:
+            self.scans_in_flight -= 1
+
+    def _describe(self, snap: StabilitySnapshot) -> dict[str, Any]:
+        return {
+            "snapshot": snap.number,
+            "seqno_sum": snap.timestamp.total,
+            "created_at": snap.created_at,
+            "seqnos": list(snap.timestamp.seqnos),
+            "vbuuids": list(snap.timestamp.vbuuids),
+        }
+
+    def snapshot_list(self) -> dict[str, Any]:
+        snaps = self.view.snapshots
+        return {
+            "stable": self._describe(snaps.stable) if snaps.stable else None,
+            "persisted": self._describe(snaps.persisted_snapshot)
+            if snaps.persisted_snapshot
+            else None,
+            "pinned": [
+                {
+                    "id": p.pin_id,
+                    "snapshot": p.snapshot.number,
+                    "seqno_sum": p.snapshot.timestamp.total,
+                    "lease_s": p.lease_s,
+                    "expires_in_s": round(p.expires_at - time.monotonic(), 3),
+                }
+                for p in snaps.pins.values()
+            ],
+        }
+
+    def _target(self, consistency: str, at_plus: Any) -> list[tuple[int, int]] | None:
+        """The (vbucket, seqno) pairs a snapshot must cover, or None for `any`."""
+        if consistency not in CONSISTENCIES:
+            raise ApiError(400, f"consistency: one of {', '.join(CONSISTENCIES)}")
+        if consistency == "any":
+            return None
+        if consistency == "request_plus":
+            return list(enumerate(self.view.registry.received))
+        return _vector(at_plus, len(self.view.registry.received))
+
+    async def _snapshot_for(
+        self, consistency: str, at_plus: Any, timeout_s: float
+    ) -> StabilitySnapshot:
+        target = self._target(consistency, at_plus)
+        snaps = self.view.snapshots
+        if target is None:
+            if snaps.stable is None:
+                raise ApiError(503, "no readable snapshot yet", {RETRY_AFTER: "1"})
+            return snaps.stable
+        with trio.move_on_after(timeout_s):
+            try:
+                return await snaps.wait_covering(target)
+            except RolledBackError as exc:
+                raise ApiError(409, str(exc)) from None
+        raise ApiError(
+            504, f"timed out after {timeout_s:g} s waiting for a snapshot at {consistency}"
+        )
+
+    async def pin(self, body: dict[str, Any], send: Send) -> None:
+        lease = _number(body.get("lease_s", DEFAULT_LEASE_S), "lease_s", 1, MAX_LEASE_S)
+        timeout = _number(body.get("timeout_s", DEFAULT_TIMEOUT_S), "timeout_s", 0, 3600)
+        which = body.get("snapshot", "persisted")
+        snaps = self.view.snapshots
+        if "at_plus" in body:
+            snap = await self._snapshot_for("at_plus", body["at_plus"], timeout)
+        elif which == "persisted":
+            if snaps.persisted_snapshot is None:
+                raise ApiError(503, "no persisted snapshot yet", {RETRY_AFTER: "1"})
+            snap = snaps.persisted_snapshot
+        elif which == "stable":
+            snap = await self._snapshot_for("any", None, timeout)
+        else:
+            raise ApiError(400, 'snapshot: "persisted" or "stable" (or give "at_plus")')
+        pin = snaps.pin(snap, lease)
+        log.info("snapshot %d pinned as %s for %g s", snap.number, pin.pin_id, lease)
+        await _json(send, 200, {"id": pin.pin_id, "lease_s": lease, **self._describe(snap)})
+
+    def _range(self, index: StoredIndex, query: dict[str, str]) -> KeyRange:
+        nkeys = len(index.definition.keys)
+        params = {}
+        for name in ("eq", "low", "high"):
+            if name in query:
+                params[name] = parse_json_param(name, query[name])
+        bounds = key_range(
+            nkeys,
+            eq=params.get("eq"),
+            low=params.get("low"),
+            high=params.get("high"),
+            inclusion=query.get("inclusion", "both"),
+            has_eq="eq" in params,
+            has_low="low" in params,
+            has_high="high" in params,
+        )
+        start = _hex(query, "start")
+        stop = _hex(query, "stop")
+        lo = max((b for b in (bounds.start, start) if b is not None), default=None)
+        hi = min((b for b in (bounds.stop, stop) if b is not None), default=None)
+        return KeyRange(lo, hi)
+
+    async def _read_snapshot(self, query: dict[str, str]) -> StabilitySnapshot:
+        """The snapshot a read asks for: its pin's, or one at its consistency. `at_plus` alone
+        implies consistency=at_plus; a parameter the choice would ignore is a 400."""
+        if "pin" in query:
+            ignored = [p for p in ("consistency", "at_plus", "timeout") if p in query]
+            if ignored:
+                raise ApiError(
+                    400,
+                    f"{', '.join(ignored)}: not taken with pin, which reads the pinned snapshot "
+                    "as it is",
+                )
+            pin = self.view.snapshots.pins.get(query["pin"])
+            if pin is None:
+                raise ApiError(404, f"no pin {query['pin']!r} (released or expired)")
+            return pin.snapshot
+        timeout = _number(query.get("timeout", DEFAULT_TIMEOUT_S), "timeout", 0, 3600)
+        at_plus = parse_json_param("at_plus", query["at_plus"]) if "at_plus" in query else None
+        consistency = query.get("consistency", "at_plus" if "at_plus" in query else "any")
+        if consistency == "at_plus" and at_plus is None:
+            raise ApiError(400, "consistency=at_plus needs at_plus={vbucket: seqno, ...}")
+        if at_plus is not None and consistency != "at_plus":
+            raise ApiError(
+                400,
+                f"at_plus is given with consistency={consistency}, which would ignore it: give "
+                "at_plus alone (or with consistency=at_plus) to wait for that vector",
+            )
+        return await self._snapshot_for(consistency, at_plus, timeout)
+
+    async def scan(
+        self,
+        index: StoredIndex,
+        query: dict[str, str],
+        headers: dict[str, str],
+        send: Send,
+        count_only: bool,
+    ) -> int:
+        """Answer a scan (or with `count_only` a count); the rows it returned."""
+        if self.view.throttle.paused:
+            raise ApiError(503, "the daemon is short of memory; retry later", {RETRY_AFTER: "2"})
+        limit = None
+        if "limit" in query:
+            limit = int(_number(query["limit"], "limit", 0, 2**62))
+            if str(limit) != query["limit"].strip():
+                raise ApiError(400, "limit: a whole number")
+        most = self.limits.max_scan_rows
+        if most and not count_only and limit is not None and limit > most:
+            self._too_many_rows(f"limit={limit} is over the {most} rows")
+        bounds = self._range(index, query)
+        snap = (await self._read_snapshot(query)).acquire()
+        try:
+            if not snap.is_open:
+                raise ApiError(410, "the snapshot was released")
+            if most and not count_only and limit is None:
+                await self._check_rows(index, snap, bounds, most)
+            meta = {
+                SNAPSHOT_HEADER: str(snap.number),
+                SEQNO_SUM_HEADER: str(snap.timestamp.total),
+            }
+            if count_only:
+                n = snap.entry_counts.get(index.definition.name)
+                if n is None or bounds.start is not None or bounds.stop is not None:
+                    n = await trio.to_thread.run_sync(
+                        count_entries, self.view.store, index, snap.store_snapshot, bounds
+                    )
+                await _json(send, 200, {"count": n, "snapshot": snap.number}, meta)
+                return 0
+            chunks = _RowCount(
+                entry_batches(
+                    self.view.store, index, snap.store_snapshot, bounds, limit, SCAN_CHUNK
+                )
+            )
+            self.active_scans += 1
+            try:
+                if ARROW in headers.get("accept", ""):
+                    await self._stream_arrow(index, snap, chunks, send, meta)
+                else:
+                    await self._stream_ndjson(chunks, send, meta)
+            finally:
+                self.active_scans -= 1
+            return chunks.rows
+        finally:
+            snap.release()
+
+    async def _check_rows(
+        self, index: StoredIndex, snap: StabilitySnapshot, bounds: KeyRange, most: int
+    ) -> None:
+        """413 before any row is sent when a scan without a limit would pass `most` rows:
+        counted on the snapshot it reads, up to most + 1 entries (none when the whole index
+        is small enough)."""
+        total = snap.entry_counts.get(index.definition.name)
+        if total is not None and total <= most:
+            return
+        over = await trio.to_thread.run_sync(
+            more_than, self.view.store, index, snap.store_snapshot, bounds, most
+        )
+        if over:
+            self._too_many_rows(f"the range holds more than the {most} rows")
+
+    def _too_many_rows(self, what: str) -> None:
+        self.refused["too_many_rows"] += 1
+        raise ApiError(
+            413,
+            f"{what} a scan may return (limits.max_scan_rows): give a limit of at most "
+            "that, or narrow the range (low/high, or start/stop as /splits gives them)",
+        )
+
+    async def _stream_ndjson(
+        self, chunks: Iterator[EntryBatch], send: Send, meta: dict[str, str]
+    ) -> None:
+        await _start(send, 200, NDJSON, meta)
+        while (body := await trio.to_thread.run_sync(_ndjson_chunk, chunks)) is not None:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _stream_arrow(
+        self,
+        index: StoredIndex,
+        snap: StabilitySnapshot,
+        chunks: Iterator[EntryBatch],
+        send: Send,
+        meta: dict[str, str],
+    ) -> None:
+        paths = index.definition.keys
+        schema = pa.schema(
+            [pa.field("id", pa.string())] + [pa.field(p, pa.string()) for p in paths],
+            metadata={
+                "indexer.snapshot": str(snap.number),
+                "indexer.seqno_sum": str(snap.timestamp.total),
+            },
+        )
+        sink = _Chunks()
+        writer = pa.ipc.new_stream(sink, schema)
+        await _start(send, 200, ARROW, meta)
+        # Decoding, JSON texts and the Arrow batch are built in the thread, off the event loop.
+        while await trio.to_thread.run_sync(_arrow_chunk, chunks, writer, schema):
+            await send({"type": "http.response.body", "body": sink.take(), "more_body": True})
+        writer.close()
+        await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
+
+    async def split(self, index: StoredIndex, query: dict[str, str], send: Send) -> None:
+        parts = int(_number(query.get("parts", "4"), "parts", 1, 10_000))
+        snap = (await self._read_snapshot(query)).acquire()
+        try:
+            ranges = await trio.to_thread.run_sync(
+                splits, self.view.store, index, snap.store_snapshot, parts
+            )
+        finally:
+            snap.release()
+        out = [
+            {"start": r.start.hex() if r.start else None, "stop": r.stop.hex() if r.stop else None}
+            for r in ranges
+        ]
+        await _json(send, 200, {"splits": out, "snapshot": snap.number})

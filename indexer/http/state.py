@@ -1,0 +1,132 @@
+"""The API's state: the daemon as the API sees it (`DaemonView`) and what it counts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+
+from indexer.build import IndexBuild
+from indexer.catalog import IndexCatalog
+from indexer.collector import CollectorPauses
+from indexer.compaction import Compactor
+from indexer.config import LimitsConfig, SecurityConfig
+from indexer.metrics import SCAN_BUCKETS_S, Histogram, process_started_at, version
+from indexer.pipeline import Pipeline
+from indexer.snapshots import SnapshotStore
+from indexer.storage import IndexStore, StoredIndex
+from indexer.streams import StreamRegistry
+from indexer.timekeeper import Timekeeper
+from indexer.timestamps import HighWaterTimestamp
+from slab import MemoryThrottle, SlabPool
+from workers.worker import Worker
+
+
+@dataclass
+class DaemonView:
+    """The parts of the running daemon the API reads; it changes nothing but pins."""
+
+    pipeline: Pipeline
+    hwt: HighWaterTimestamp
+    pool: SlabPool
+    throttle: MemoryThrottle
+    in_memory_interval_s: float
+    catalog: IndexCatalog | None = None
+    compactor: Compactor | None = None
+    collector: CollectorPauses | None = None
+    ready: bool = False
+
+    @property
+    def store(self) -> IndexStore:
+        return self.pipeline.store
+
+    @property
+    def indexes(self) -> list[StoredIndex]:
+        return self.pipeline.indexes
+
+    @property
+    def snapshots(self) -> SnapshotStore:
+        return self.pipeline.snapshots
+
+    @property
+    def registry(self) -> StreamRegistry:
+        return self.pipeline.registry
+
+    @property
+    def workers(self) -> list[Worker]:
+        return self.pipeline.workers
+
+    @property
+    def timekeeper(self) -> Timekeeper:
+        return self.pipeline.timekeeper
+
+
+@dataclass
+class IndexReads:
+    """The scan and count requests one index answered: /stats' and /metrics' per-index view."""
+
+    scans: int = 0
+    rows: int = 0
+    latency: Histogram = field(default_factory=lambda: Histogram(SCAN_BUCKETS_S))
+
+
+class ApiState:
+    """What the API keeps between requests: the daemon's view, its limits and token, and the
+    counters of reads and refusals; and what the indexes are."""
+
+    def __init__(
+        self,
+        view: DaemonView,
+        security: SecurityConfig | None = None,
+        limits: LimitsConfig | None = None,
+    ) -> None:
+        self.view = view
+        self.security = security or SecurityConfig()
+        self.limits = limits or LimitsConfig()
+        # The app's own registry: two apps in one process (the tests) never share metrics.
+        self.metrics = CollectorRegistry()
+        ProcessCollector(registry=self.metrics)
+        self.started_at = process_started_at()
+        self.version = version()
+        self.active_scans = 0  # streaming rows now
+        self.scans_in_flight = 0  # scan, count and split requests being served now
+        self.scans_served = 0  # scan and count requests answered since start
+        self.reads: dict[str, IndexReads] = {}  # by index name
+        self.bytes_on_disk: dict[str, int] = {}  # by index name, as last measured
+        self.refused = {"unauthorized": 0, "too_many_scans": 0, "too_many_rows": 0}
+
+    def _builds(self) -> list[IndexBuild]:
+        catalog = self.view.catalog
+        return [] if catalog is None else list(catalog.builds.values())
+
+    def _all_indexes(self) -> list[StoredIndex]:
+        """Every index with entries in the store: those maintained and those being built."""
+        return [*self.view.indexes, *(b.index for b in self._builds())]
+
+    def index_list(self) -> list[dict[str, Any]]:
+        counts = self.view.timekeeper.statistics().entry_counts
+        out = [self._index_entry(i, counts[j]) for j, i in enumerate(self.view.indexes)]
+        for build in self._builds():
+            out.append(self._build_entry(build))
+        return out
+
+    def _index_entry(self, index: StoredIndex, entries: int) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": index.definition.name,
+            "keys": list(index.definition.keys),
+            "state": index.state,
+            "entries": entries,
+        }
+        if index.definition.where is not None:
+            out["where"] = index.definition.where
+        if index.state == "incremental":
+            out["note"] = "created at run time: holds the mutations streamed since its creation"
+        return out
+
+    def _build_entry(self, build: IndexBuild) -> dict[str, Any]:
+        status = build.status()
+        out = self._index_entry(build.index, build.entries)
+        out["state"] = status.state
+        out["build"] = asdict(status)
+        return out
