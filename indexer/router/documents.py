@@ -209,3 +209,28 @@ def routing_id(line: bytes) -> bytes | None:
     if isinstance(docid, bool) or not isinstance(docid, str | int) or docid == "":
         return None
     return str(docid).encode()
+
+
+class LineSplitter:
+    """Bytes of an input in, its complete lines out; a partial last line waits for the rest.
+    `offset` and `line`: the bytes and lines before the next line (from where it started)."""
+
+    def __init__(self, offset: int = 0, line: int = 0) -> None:
+        self.partial = b""
+        self.offset = offset
+        self.line = line
+
+    def feed(self, data: bytes) -> list[bytes]:
+        joined = self.partial + data if self.partial else data
+        *lines, self.partial = joined.split(b"\n")
+        self.offset += len(joined) - len(self.partial)
+        self.line += len(lines)
+        return lines
+
+    def finish(self) -> list[bytes]:
+        """At the end of an input that is not followed: the last line, if it has no newline."""
+        lines = [self.partial] if self.partial else []
+        self.offset += len(self.partial)
+        self.line += len(lines)
+        self.partial = b""
+        return lines

@@ -34,6 +34,7 @@ from indexer.router.appender import READ_BYTES, Appender, append_bytes, parse_li
 from indexer.router.documents import (
     Document,
     DocumentError,
+    LineSplitter,
     loads_document,
     vbucket_of,
 )
@@ -86,31 +87,6 @@ class RouterOptions:
     parent_pipe: bool = False
 
 
-class LineSplitter:
-    """Bytes in, numbered complete lines out (sans-IO); a partial last line waits for the rest."""
-
-    def __init__(self) -> None:
-        self.partial = b""
-        self.number = 0
-
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        """The lines `data` completes, with their 1-based numbers."""
-        *lines, self.partial = (self.partial + data).split(b"\n")
-        return self._numbered(lines)
-
-    def finish(self) -> list[tuple[int, bytes]]:
-        """At the end of an input that is not followed: the last line, if it has no newline."""
-        lines, self.partial = [self.partial] if self.partial else [], b""
-        return self._numbered(lines)
-
-    def _numbered(self, lines: list[bytes]) -> list[tuple[int, bytes]]:
-        out = []
-        for line in lines:
-            self.number += 1
-            out.append((self.number, line))
-        return out
-
-
 async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None:
     """Append the file's documents; with `follow`, keep reading what is appended to it.
 
@@ -129,9 +105,9 @@ async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None
             data = await f.read(READ_BYTES)
             # Input is waiting until a read finds nothing more (index builds give way meanwhile).
             appender.input_waiting = bool(data)
-            lines = splitter.feed(data) if data else []
-            if not data and not follow:
-                lines = splitter.finish()
+            before = splitter.line
+            read = splitter.feed(data) if data else ([] if follow else splitter.finish())
+            lines = list(enumerate(read, before + 1))
             offset += len(data)
             documents, errors = parse_lines(lines, where)
             for error in errors:

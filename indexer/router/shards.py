@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -45,7 +46,7 @@ from indexer.asgi import answer_lifespan, serve_asgi
 from indexer.collector import rare_collections
 from indexer.metrics import process_started_at, version
 from indexer.router.appender import READ_BYTES, append_bytes
-from indexer.router.documents import routing_id, vbucket_of
+from indexer.router.documents import LineSplitter, routing_id, vbucket_of
 from indexer.router.pipe import MessageReader, PipeError
 from indexer.router.service import read_body
 from indexer.router.shard_pipe import (
@@ -53,7 +54,6 @@ from indexer.router.shard_pipe import (
     HELLO,
     InputPosition,
     LineBatch,
-    LineSplitter,
     decode_hello,
     decode_json,
     encode_lines,
@@ -88,14 +88,17 @@ class ShardLayout:
         n, k = self.num_vbuckets, self.count
         return [(i * n // k, (i + 1) * n // k - 1) for i in range(k)]
 
-    def owners(self) -> list[int]:
-        """The shard of each vbucket."""
+    @functools.cached_property
+    def _owners(self) -> list[int]:
         starts = [first for first, _ in self.ranges()]
         return [bisect_right(starts, vb) - 1 for vb in range(self.num_vbuckets)]
 
+    def owners(self) -> list[int]:
+        """The shard of each vbucket."""
+        return self._owners
+
     def shard_of(self, docid: str) -> int:
-        vb = vbucket_of(docid.encode(), self.num_vbuckets)
-        return bisect_right([first for first, _ in self.ranges()], vb) - 1
+        return self._owners[vbucket_of(docid.encode(), self.num_vbuckets)]
 
 
 def open_layout(

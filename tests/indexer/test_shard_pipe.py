@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from indexer.router.documents import DocumentError, parse_line, routing_id
+from indexer.router.documents import DocumentError, LineSplitter, parse_line, routing_id
 from indexer.router.pipe import MessageReader, PipeError
 from indexer.router.shard_pipe import (
     ACK,
@@ -17,7 +17,6 @@ from indexer.router.shard_pipe import (
     LINES,
     InputPosition,
     LineBatch,
-    LineSplitter,
     decode_hello,
     decode_lines,
     encode_hello,
