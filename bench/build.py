@@ -60,9 +60,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -77,13 +74,15 @@ from typing import Any
 import httpx
 import psutil
 from common import (  # bench/common.py: run as `python bench/...`
-    FEED_LINE,
-    HOST,
-    HTTP_LINE,
     Daemon,
+    Router,
+    free_port,
     in_workdir,
+    jsonl_lines,
+    latest,
     ratio,
     say,
+    write_cluster_map,
 )
 
 from indexer.cluster import load_cluster_map, scan_cluster
@@ -112,17 +111,6 @@ MIB = 1 << 20
 # Input and model
 
 
-def jsonl_lines(documents: Iterable[Document]) -> str:
-    """The router's JSONL input: {"id":..,"doc":{..}} or {"id":..,"deleted":true}, one a line."""
-    return "".join(
-        json.dumps(
-            {"id": d.docid, "deleted": True} if d.body is None else {"id": d.docid, "doc": d.body}
-        )
-        + "\n"
-        for d in documents
-    )
-
-
 class Model:
     """The latest version of each docid: None when deleted, else (has address.zip, has
     address.city), the leading keys of `by_zip*` and `by_city`."""
@@ -131,13 +119,13 @@ class Model:
         self.latest: dict[str, tuple[bool, bool] | None] = {}
 
     def add(self, documents: Iterable[Document]) -> None:
-        for d in documents:
-            self.latest[d.docid] = (
+        for docid, body in latest(documents).items():
+            self.latest[docid] = (
                 None
-                if d.body is None
+                if body is None
                 else (
-                    field_value(d.body, "address.zip") is not MISSING,
-                    field_value(d.body, "address.city") is not MISSING,
+                    field_value(body, "address.zip") is not MISSING,
+                    field_value(body, "address.city") is not MISSING,
                 )
             )
 
@@ -152,128 +140,17 @@ class Model:
 # Processes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen[bytes], timeout: float) -> str:
-    """Group 1 of the first match of `pattern` in the file a process writes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text() if path.exists() else ""
-        found = re.search(pattern, text)
-        if found:
-            return found.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"{path}: the process exited ({proc.returncode}):\n{text[-3000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{path}: no {pattern!r} within {timeout} s:\n{text[-3000:]}")
-        time.sleep(0.02)
-
-
-class Node(Daemon):
-    """bench/common.py's daemon with more `indexer serve` arguments (a cluster map's node)."""
-
-    def __init__(self, workdir: Path, args: Sequence[str] = ()) -> None:
-        super().__init__(workdir)
-        self.args = list(args)
-
-    def start(self, timeout: float = 60) -> None:
-        seen = self.log().count("listening for router feeds")
-        command = [sys.executable, "-m", "indexer", "serve", "--config", str(self.config_path)]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(command + self.args, stderr=log, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while self.log().count("listening for router feeds") <= seen:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited at start-up:\n{self.log()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not listen within {timeout} s")
-            time.sleep(0.05)
-        text = self.log()
-        self.http_port = int(HTTP_LINE.findall(text)[-1])
-        self.feed_port = int(FEED_LINE.findall(text)[-1])
-
-    def check_alive(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited:\n{self.log()[-3000:]}")
-
-    def stats(self, client: httpx.Client) -> dict[str, Any]:
-        answer = client.get(f"{self.url}/stats")
-        answer.raise_for_status()
-        stats: dict[str, Any] = answer.json()
-        return stats
-
-    def readable(self, client: httpx.Client) -> int:
-        """The seqno sum of its readable snapshot."""
-        value: int = self.stats(client)["stable"]["seqno_sum"]
-        return value
-
-    def count(self, client: httpx.Client, index: str, consistency: str = "request_plus") -> int:
-        answer = client.get(
-            f"{self.url}/indexes/{index}/count", params={"consistency": consistency}
-        )
-        if answer.status_code != 200:
-            raise RuntimeError(f"count of {index}: HTTP {answer.status_code}: {answer.text}")
-        value: int = answer.json()["count"]
-        return value
-
-
-class Router:
-    """`indexer router --http 127.0.0.1:0` in a subprocess, its log in a file."""
-
-    def __init__(self, workdir: Path, args: Sequence[str]) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log_path = workdir / "router.log"
-        command = [sys.executable, "-m", "indexer", "router", "--state", str(workdir / "state")]
-        command += ["--http", f"{HOST}:0", *args]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(command, stderr=log, stdin=subprocess.DEVNULL)
-        self.process = psutil.Process(self.proc.pid)
-        self.client = httpx.Client(timeout=30)
-        self.url = wait_for_line(self.log_path, r"router API on (http://\S+)", self.proc, 60)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def appended(self) -> int:
-        """Seqnos the router has appended to its source log, summed over the vbuckets."""
-        answer = self.client.get(f"{self.url}/stats")
-        answer.raise_for_status()
-        value: int = answer.json()["source"]["high_seqno_sum"]
-        return value
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the router exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
-
-    def cpu(self) -> float:
-        total = self.process.cpu_times()
-        return float(total.user + total.system)
-
-    def stop(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        code = self.proc.wait()
-        if code != 0:
-            raise RuntimeError(f"the router exited with {code}:\n{self.log()[-3000:]}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def start_router(workdir: Path, args: Sequence[str]) -> Router:
+    """`indexer router --state WORKDIR/state --http 127.0.0.1:0 ARGS`, once its API listens."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    state = str(workdir / "state")
+    router = Router(workdir / "router.log", "--state", state, "--http", "127.0.0.1:0", *args)
+    router.wait_url()
+    return router
 
 
 def wait_until(
-    what: str, check: Callable[[], bool], alive: Sequence[Node | Router], timeout: float
+    what: str, check: Callable[[], bool], alive: Sequence[Daemon | Router], timeout: float
 ) -> float:
     """Poll `check` until it holds (the processes still running); the monotonic time it did."""
     deadline = time.monotonic() + timeout
@@ -289,7 +166,7 @@ def wait_until(
 def load(
     what: str,
     router: Router,
-    nodes: Sequence[Node],
+    nodes: Sequence[Daemon],
     total: int,
     started: float,
     client: httpx.Client,
@@ -297,7 +174,7 @@ def load(
 ) -> tuple[float, float]:
     """Until the router appended `total` seqnos and the nodes' readable snapshots add up to it;
     (appended, readable) seconds from `started`."""
-    alive: list[Node | Router] = [router, *nodes]
+    alive: list[Daemon | Router] = [router, *nodes]
     appended = wait_until(f"{what}: appended", lambda: router.appended() >= total, alive, timeout)
     readable = wait_until(
         f"{what}: readable",
@@ -353,7 +230,7 @@ class Feed(threading.Thread):
                         batch.append(
                             Document(PROBE_ID, {"address": {"city": PROBE_CITY}, "age": self.ticks})
                         )
-                        f.write(jsonl_lines(batch))  # whole lines in one write
+                        f.write("".join(jsonl_lines(batch)))  # whole lines in one write
                         f.flush()
                         self.probe_written[self.ticks] = time.monotonic()
                         self.model.add(batch)
@@ -387,7 +264,7 @@ class Sample:
 class LagSampler(threading.Thread):
     """Every 100 ms: the daemon's readable seqno sum against what the router appended."""
 
-    def __init__(self, daemon: Node, router: Router, feed: Feed, base: int) -> None:
+    def __init__(self, daemon: Daemon, router: Router, feed: Feed, base: int) -> None:
         super().__init__(daemon=True)
         self.daemon_url = daemon.url
         self.router_url = router.url
@@ -509,7 +386,7 @@ def fsync_ms(directory: Path, count: int = 20) -> float:
     return round(percentile(seconds, 50) * 1000, 2)
 
 
-def index_entry(client: httpx.Client, daemon: Node, name: str) -> dict[str, Any]:
+def index_entry(client: httpx.Client, daemon: Daemon, name: str) -> dict[str, Any]:
     answer = client.get(f"{daemon.url}/indexes")
     answer.raise_for_status()
     for entry in answer.json()["indexes"]:
@@ -521,7 +398,7 @@ def index_entry(client: httpx.Client, daemon: Node, name: str) -> dict[str, Any]
 
 def time_build(
     client: httpx.Client,
-    daemon: Node,
+    daemon: Daemon,
     router: Router,
     name: str,
     timeout: float,
@@ -673,7 +550,7 @@ def builds(
     opts: argparse.Namespace, workdir: Path, initial: Path, model: Model, total: int
 ) -> dict[str, Any]:
     run_dir = workdir / "builds"
-    daemon = Node(run_dir / "daemon")
+    daemon = Daemon.in_workdir(run_dir / "daemon")
     jsonl = run_dir / "follow.jsonl"
     shutil.copyfile(initial, jsonl)
     router: Router | None = None
@@ -684,9 +561,9 @@ def builds(
         daemon.start()
         with httpx.Client(timeout=opts.timeout) as client:
             started = time.monotonic()
-            router = Router(
+            router = start_router(
                 run_dir / "router",
-                ["--to", daemon.feed_address, "--jsonl", str(jsonl), "--follow"],
+                ["--to", daemon.address, "--jsonl", str(jsonl), "--follow"],
             )
             appended_s, readable_s = load(
                 "load", router, [daemon], total, started, client, opts.timeout
@@ -701,7 +578,7 @@ def builds(
             report_build("without a feed", quiet)
             checks["quiet_count"] = check(
                 "request_plus count of by_zip = live documents with address.zip",
-                daemon.count(client, "by_zip"),
+                daemon.count("by_zip", client),
                 model.with_zip(),
             )
             dropped_at = time.monotonic()
@@ -769,16 +646,16 @@ def builds(
                 report_lag(phase, lag[phase], opts.feed_rate)
             checks["feed_count"] = check(
                 f"request_plus count of {name} = live documents with address.zip",
-                daemon.count(client, name),
+                daemon.count(name, client),
                 model.with_zip(),
             )
             checks["feed_by_city"] = check(
                 "request_plus count of by_city = live documents with address.city",
-                daemon.count(client, "by_city"),
+                daemon.count("by_city", client),
                 model.with_city(),
             )
-        router.stop()
-        daemon.stop()
+        router.stop_cleanly()
+        daemon.stop_cleanly()
     finally:
         if feed is not None and feed.is_alive():
             feed.stopped.set()
@@ -820,20 +697,6 @@ def builds(
 # 2. Scan fan-out
 
 
-def write_map(path: Path, nodes: Sequence[tuple[str, int, int, str]]) -> Path:
-    """A cluster map: (name, feed port, HTTP port, vbuckets TOML value) per node."""
-    lines = ["num_vbuckets = 1024"]
-    for name, feed_port, http_port, vbuckets in nodes:
-        lines += [
-            f"[nodes.{name}]",
-            f'feed = "{HOST}:{feed_port}"',
-            f'http = "{HOST}:{http_port}"',
-            f"vbuckets = {vbuckets}",
-        ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def ndjson_scan(url: str, timeout: float) -> int:
     """An NDJSON scan of the whole index, streamed, newlines counted (a client of its own, as
     `scan_cluster` has)."""
@@ -870,26 +733,26 @@ def fan_out(
     run_dir = workdir / "fan-out"
     run_dir.mkdir(parents=True)
     ports = [free_port() for _ in range(4)]
-    two_map = write_map(
+    two_map = write_cluster_map(
         run_dir / "cluster.toml",
-        [("a", ports[0], ports[1], '["0-511"]'), ("b", ports[2], ports[3], '["512-1023"]')],
+        [("a", ports[0], ports[1], "0-511"), ("b", ports[2], ports[3], "512-1023")],
     )
-    a = Node(run_dir / "a", ["--cluster-map", str(two_map), "--node", "a"])
-    b = Node(run_dir / "b", ["--cluster-map", str(two_map), "--node", "b"])
-    single = Node(run_dir / "single")
+    a = Daemon.in_workdir(run_dir / "a", args=["--cluster-map", str(two_map), "--node", "a"])
+    b = Daemon.in_workdir(run_dir / "b", args=["--cluster-map", str(two_map), "--node", "b"])
+    single = Daemon.in_workdir(run_dir / "single")
     nodes = [a, b, single]
     routers: list[Router] = []
     checks: dict[str, bool] = {}
     try:
         for node in nodes:
             node.start()
-        one_map = write_map(
-            run_dir / "single.toml", [("single", single.feed_port, single.http_port, '"all"')]
+        one_map = write_cluster_map(
+            run_dir / "single.toml", [("single", single.port, single.http_port, "all")]
         )
         with httpx.Client(timeout=opts.timeout) as client:
             started = time.monotonic()
             routers.append(
-                Router(
+                start_router(
                     run_dir / "cluster-router",
                     ["--cluster-map", str(two_map), "--jsonl", str(initial)],
                 )
@@ -897,25 +760,25 @@ def fan_out(
             _, two_load_s = load(
                 "2 nodes", routers[-1], [a, b], total, started, client, opts.timeout
             )
-            routers[-1].stop()
+            routers[-1].stop_cleanly()
             started = time.monotonic()
             routers.append(
-                Router(
+                start_router(
                     run_dir / "single-router",
-                    ["--to", single.feed_address, "--jsonl", str(initial)],
+                    ["--to", single.address, "--jsonl", str(initial)],
                 )
             )
             _, one_load_s = load(
                 "1 node", routers[-1], [single], total, started, client, opts.timeout
             )
-            routers[-1].stop()
+            routers[-1].stop_cleanly()
             owned = [node.stats(client)["vbuckets"]["owned"] for node in nodes]
             say(
                 f"fan-out: {total:,} documents loaded into 2 nodes (vbuckets {owned[0]} + "
                 f"{owned[1]}) through one router with --cluster-map in {two_load_s:.2f} s, into "
                 f"1 node ({owned[2]} vbuckets) with --to in {one_load_s:.2f} s"
             )
-            counts = [node.count(client, SCAN_INDEX) for node in nodes]
+            counts = [node.count(SCAN_INDEX, client) for node in nodes]
             checks["slices_add_up"] = check(
                 f"{SCAN_INDEX} entries of the 2 nodes {counts[0]:,} + {counts[1]:,}",
                 counts[0] + counts[1],
@@ -940,7 +803,7 @@ def fan_out(
                     rows[name].add(measure())
                     runs[name].append(time.perf_counter() - t0)
         for node in nodes:
-            node.stop()
+            node.stop_cleanly()
     finally:
         for router in routers:
             router.kill()
@@ -994,7 +857,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model = Model()
     model.add(documents)
     initial = workdir / "initial.jsonl"
-    initial.write_text(jsonl_lines(documents))
+    initial.write_text("".join(jsonl_lines(documents)))
     del documents
     say(
         f"workload: {total:,} documents over {opts.keys:,} docids, {DELETE_RATIO:.0%} deletes, "

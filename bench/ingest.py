@@ -335,10 +335,10 @@ def measure_e2e(opts: argparse.Namespace, workdir: Path) -> EndToEnd:
     extra = ""
     if opts.recovery_points is not None:
         extra = f"[snapshots]\nrecovery_points = {opts.recovery_points}\n"
-    daemon = Daemon(workdir, extra)
+    daemon = Daemon.in_workdir(workdir, extra)
     try:
         daemon.start()
-        port = daemon.feed_port
+        port = daemon.port
         assert daemon.proc is not None
         sampler = ProcessSampler(daemon.proc.pid)
         sampler.start()
@@ -372,7 +372,7 @@ def measure_e2e(opts: argparse.Namespace, workdir: Path) -> EndToEnd:
                 f"daemon log:\n{daemon.log()[-4000:]}"
             )
         result = json.loads(router.stdout.strip().splitlines()[-1])
-        code = daemon.stop()
+        code = daemon.stop_cleanly()
         log = daemon.log()
         if code != 0 or "stopped cleanly" not in log:
             raise RuntimeError(f"the daemon exited with {code}:\n{log[-4000:]}")

@@ -74,13 +74,13 @@ def config_text(pool: str, ring_slots: int, quota_bytes: int | None) -> str:
 
 def idle_rss(workdir: Path, pool: str, ring_slots: int) -> int:
     """RSS of a started daemon with this pool and these rings, before any feed."""
-    daemon = Daemon(workdir, config_text(pool, ring_slots, None))
+    daemon = Daemon.in_workdir(workdir, config_text(pool, ring_slots, None))
     try:
         daemon.start()
         assert daemon.proc is not None
         time.sleep(1.0)  # let start-up settle (HTTP server, first snapshot)
         rss = int(psutil.Process(daemon.proc.pid).memory_info().rss)
-        daemon.stop()
+        daemon.stop_cleanly()
     finally:
         daemon.kill()
     return rss
@@ -170,7 +170,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         f"{idle / MIB:.1f} MiB; quota {quota / MIB:.1f} MiB (pause at {high / MIB:.1f}, resume "
         f"below {low / MIB:.1f}); {os.cpu_count()} cores, Python {sys.version.split()[0]}"
     )
-    daemon = Daemon(workdir / "run", config_text(opts.pool, opts.ring_slots, quota))
+    daemon = Daemon.in_workdir(workdir / "run", config_text(opts.pool, opts.ring_slots, quota))
     feed: subprocess.Popen[bytes] | None = None
     try:
         daemon.start()
@@ -187,7 +187,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     "indexer",
                     "feed",
                     "--to",
-                    daemon.feed_address,
+                    daemon.address,
                     "--generate",
                     str(opts.mutations),
                     "--keys",
@@ -204,7 +204,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             feed_exit = stop_feed(feed)
         sampler.stop()
         final = sampler.last
-        code = daemon.stop()
+        code = daemon.stop_cleanly()
         log = daemon.log()
     finally:
         if feed is not None and feed.poll() is None:

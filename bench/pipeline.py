@@ -47,12 +47,10 @@ import argparse
 import glob
 import os
 import pwd
-import random
 import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -68,12 +66,18 @@ import psutil
 from common import (  # bench/common.py: run as `python bench/...`
     HOST,
     Daemon,
+    Router,
+    RssSampler,
+    cpu_split,
+    free_port,
     in_workdir,
+    jsonl_lines,
     ratio,
     say,
+    write_cluster_map,
 )
 from ingest import measure_e2e
-from router import PeakRss, Router, cpu_split, jsonl_lines
+from router import SAMPLE_S, start_router
 
 from indexer.config import Config, parse_config
 from indexer.keys import MISSING, field_value
@@ -156,23 +160,6 @@ def write_input(path: Path, workload: Workload, config: Config) -> Input:
 # Processes
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, below the kernel's ephemeral range (so no outgoing
-    connection takes it before the process it is for binds it)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for port in random.sample(range(20_000, max(20_001, low)), 200):
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port on 127.0.0.1 below the ephemeral range")
-
-
 def tree_cpu(process: psutil.Process) -> tuple[float, float]:
     """CPU seconds (user + system) of the process itself, and of its children: those it has
     reaped and its live descendants."""
@@ -221,19 +208,6 @@ class Node:
             self.persisted_at = now
 
 
-def write_cluster_map(path: Path, nodes: Sequence[tuple[str, int, int, str]]) -> None:
-    """A cluster map of (name, feed port, HTTP port, vbucket range) nodes on 127.0.0.1."""
-    lines = [f"num_vbuckets = {parse_config().server.num_vbuckets}"]
-    for name, feed, http, vbuckets in nodes:
-        lines += [
-            f"[nodes.{name}]",
-            f'feed = "{HOST}:{feed}"',
-            f'http = "{HOST}:{http}"',
-            f'vbuckets = ["{vbuckets}"]',
-        ]
-    path.write_text("\n".join(lines) + "\n")
-
-
 def start_nodes(layout: str, run_dir: Path, inp: Input) -> tuple[list[Node], Path | None]:
     """The daemons of a layout, started; the cluster map they follow, if any."""
     n = len(inp.per_vbucket)
@@ -241,7 +215,7 @@ def start_nodes(layout: str, run_dir: Path, inp: Input) -> tuple[list[Node], Pat
     if layout != "2_slices":
         count = 2 if layout == "2_replicas" else 1
         nodes = [
-            Node(f"node{i}", Daemon(run_dir / f"node{i}"), every, inp.seqnos(every))
+            Node(f"node{i}", Daemon.in_workdir(run_dir / f"node{i}"), every, inp.seqnos(every))
             for i in range(count)
         ]
         cluster_map = None
@@ -260,7 +234,12 @@ def start_nodes(layout: str, run_dir: Path, inp: Input) -> tuple[list[Node], Pat
             args = ["--cluster-map", str(cluster_map), "--node", name]
             vbuckets = list(range(lo, hi + 1))
             nodes.append(
-                Node(name, Daemon(run_dir / name, args=args), vbuckets, inp.seqnos(vbuckets))
+                Node(
+                    name,
+                    Daemon.in_workdir(run_dir / name, args=args),
+                    vbuckets,
+                    inp.seqnos(vbuckets),
+                )
             )
     for node in nodes:
         node.daemon.start()
@@ -290,11 +269,11 @@ def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict
         nodes, cluster_map = start_nodes(layout, run_dir, inp)
         for node in nodes:
             node.cpu_before = node.daemon.cpu()
-        targets = [] if cluster_map else [node.daemon.feed_address for node in nodes]
+        targets = [] if cluster_map else [node.daemon.address for node in nodes]
         shards = int(layout.split("_shards")[1]) if "_shards" in layout else 1
-        router = Router(run_dir, inp.path, targets, cluster_map=cluster_map, shards=shards)
+        router = start_router(run_dir, inp.path, targets, cluster_map=cluster_map, shards=shards)
         started = router.started
-        peak = PeakRss(router.process)
+        peak = RssSampler(router.proc.pid, SAMPLE_S)
         peak.start()
         router.wait_url()
         deadline = time.monotonic() + timeout
@@ -315,14 +294,13 @@ def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict
         stats = router.stats()
         entries = [index_entries(client, node) for node in nodes]
         peak_rss = peak.stop()
-        router.stop()
+        router.stop_cleanly()
         for node in nodes:
-            node.daemon.stop()  # exit 0 and "stopped cleanly", or it raises
+            node.daemon.stop_cleanly()  # exit 0 and "stopped cleanly", or it raises
     finally:
         client.close()
-        if router is not None and router.proc.poll() is None:
-            router.proc.kill()
-            router.proc.wait()
+        if router is not None:
+            router.kill()
         for node in nodes:
             node.daemon.kill()
     high = stats["source"]["high_seqno_sum"]

@@ -37,7 +37,7 @@ ROLLED = re.compile(r"rolled back to (.+?) \(.*?: (\d+|all) documents reverted i
 
 def feed(daemon: Daemon, state: Path) -> float:
     """`indexer feed --state` to the daemon; its wall time."""
-    args = [daemon.feed_address]
+    args = [daemon.address]
     started = time.monotonic()
     subprocess.run(
         [sys.executable, "-m", "indexer", "feed", "--state", str(state), "--to", *args],
@@ -56,7 +56,7 @@ def append(state: Path, mutations: int, keys: int, seed: int) -> None:
 
 def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     state = workdir / "router"
-    daemon = Daemon(workdir / "daemon")
+    daemon = Daemon.in_workdir(workdir / "daemon")
     daemon.start()
     try:
         append(state, opts.base, opts.keys, 1)
@@ -81,7 +81,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             answer = httpx.get(f"{daemon.url}/indexes/{name}/count", timeout=30).json()
             counts[name] = answer["count"]
     finally:
-        daemon.stop()
+        daemon.stop_cleanly()
     expected = {
         "by_city": sum(
             1

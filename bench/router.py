@@ -42,9 +42,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +52,18 @@ import psutil
 from common import (  # bench/common.py: run as `python bench/...`
     HOST,
     Daemon,
+    Router,
+    RssSampler,
+    cpu_split,
     in_workdir,
+    jsonl_lines,
     ratio,
     say,
+    stop_process,
+    wait_for_line,
 )
 
-from indexer.router import Document, Workload, generate
+from indexer.router import Workload, generate
 
 BENCH_DIR = Path(__file__).resolve().parent
 SINK_NODES = (1, 2, 4)
@@ -76,17 +81,6 @@ MIB = 1 << 20
 # Input
 
 
-def jsonl_lines(documents: Iterable[Document]) -> list[str]:
-    """The router's JSONL input: {"id":..,"doc":{..}} or {"id":..,"deleted":true}, one a line."""
-    return [
-        json.dumps(
-            {"id": d.docid, "deleted": True} if d.body is None else {"id": d.docid, "doc": d.body}
-        )
-        + "\n"
-        for d in documents
-    ]
-
-
 def append_lines(path: Path, lines: Sequence[str]) -> None:
     """Append whole lines in one write, so a follower never sees a line cut for long."""
     with open(path, "a") as f:
@@ -95,43 +89,6 @@ def append_lines(path: Path, lines: Sequence[str]) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Processes
-
-
-def cpu_split(process: psutil.Process) -> tuple[float, float]:
-    """CPU seconds so far: the main (trio) thread, and every other thread together."""
-    total = process.cpu_times()
-    main = sum(t.user_time + t.system_time for t in process.threads() if t.id == process.pid)
-    return main, total.user + total.system - main
-
-
-def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
-    """Signal it, wait; kill it if it does not exit within 30 s. Its exit code."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
-
-
-def wait_for_line(
-    path: Path, pattern: str, proc: subprocess.Popen[bytes], timeout: float, count: int = 1
-) -> str:
-    """Group 1 of the `count`-th match of `pattern` in the file a process writes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text() if path.exists() else ""
-        found = re.findall(pattern, text)
-        if len(found) >= count:
-            return str(found[count - 1])
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"{path.name}: the process exited ({proc.returncode}):\n{text[-3000:]}"
-            )
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{path.name}: no {pattern!r} within {timeout} s:\n{text[-3000:]}")
-        time.sleep(0.02)
 
 
 class Sink:
@@ -177,93 +134,29 @@ class Sink:
         stop_process(self.proc)
 
 
-class Router:
-    """`indexer router` in a subprocess, its log in a file."""
-
-    def __init__(
-        self,
-        workdir: Path,
-        jsonl: Path,
-        targets: Sequence[str],
-        memory_mb: float | None = None,
-        follow: bool = False,
-        cluster_map: Path | None = None,
-        shards: int = 1,
-    ) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log_path = workdir / "router.log"
-        command = [sys.executable, "-m", "indexer", "router", "--state", str(workdir / "state")]
-        command += ["--jsonl", str(jsonl), "--http", f"{HOST}:0"]
-        for target in targets:
-            command += ["--to", target]
-        if cluster_map is not None:  # the nodes of the map instead of `targets`
-            command += ["--cluster-map", str(cluster_map)]
-        if memory_mb is not None:
-            command += ["--memory-mb", str(memory_mb)]
-        if follow:
-            command.append("--follow")
-        if shards > 1:
-            command += ["--shards", str(shards)]
-        self.started = time.time()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(command, stderr=log, stdin=subprocess.DEVNULL)
-        self.process = psutil.Process(self.proc.pid)
-        self.url = ""
-        self.client = httpx.Client(timeout=30)
-
-    def wait_url(self, timeout: float = 60) -> str:
-        self.url = wait_for_line(self.log_path, r"router API on (http://\S+)", self.proc, timeout)
-        return self.url
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def logged_at(self, text: str) -> float | None:
-        """Wall time of the first log line containing `text` (millisecond precision)."""
-        for found in LOG_LINE.finditer(self.log()):
-            if text in found.group(0):
-                return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        return None
-
-    def stats(self) -> dict[str, Any]:
-        answer = self.client.get(f"{self.url}/stats")
-        answer.raise_for_status()
-        stats: dict[str, Any] = answer.json()
-        return stats
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the router exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
-
-    def stop(self) -> int:
-        self.client.close()
-        code = stop_process(self.proc)
-        if code != 0:
-            raise RuntimeError(f"the router exited with {code}:\n{self.log()[-3000:]}")
-        return code
-
-
-class PeakRss(threading.Thread):
-    """A process's RSS every 100 ms; keeps the peak."""
-
-    def __init__(self, process: psutil.Process) -> None:
-        super().__init__(daemon=True)
-        self.process = process
-        self.peak = 0
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                self.peak = max(self.peak, self.process.memory_info().rss)
-            except psutil.Error:
-                return
-            self.stopped.wait(SAMPLE_S)
-
-    def stop(self) -> int:
-        self.stopped.set()
-        self.join()
-        return self.peak
+def start_router(
+    workdir: Path,
+    jsonl: Path,
+    targets: Sequence[str],
+    memory_mb: float | None = None,
+    follow: bool = False,
+    cluster_map: Path | None = None,
+    shards: int = 1,
+) -> Router:
+    """`indexer router` over a JSONL file to `targets` (or the nodes of `cluster_map`)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    args = ["--state", str(workdir / "state"), "--jsonl", str(jsonl), "--http", f"{HOST}:0"]
+    for target in targets:
+        args += ["--to", target]
+    if cluster_map is not None:
+        args += ["--cluster-map", str(cluster_map)]
+    if memory_mb is not None:
+        args += ["--memory-mb", str(memory_mb)]
+    if follow:
+        args.append("--follow")
+    if shards > 1:
+        args += ["--shards", str(shards)]
+    return Router(workdir / "router.log", *args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +204,7 @@ def daemon_node(daemon: Daemon, client: httpx.Client) -> Node:
         main, threads = daemon.cpu()
         return main + threads
 
-    return Node(daemon.feed_address, poll, cpu, DAEMON_POLL_S)
+    return Node(daemon.address, poll, cpu, DAEMON_POLL_S)
 
 
 def wait_done(router: Router, nodes: Sequence[Node], total: int, timeout: float) -> None:
@@ -353,15 +246,15 @@ def throughput(
     try:
         if real:
             for i in range(count):
-                daemons.append(Daemon(run_dir / f"daemon{i}"))
+                daemons.append(Daemon.in_workdir(run_dir / f"daemon{i}"))
                 daemons[-1].start()
             nodes = [daemon_node(daemon, client) for daemon in daemons]
         else:
             sinks = [Sink(run_dir, f"sink{i}") for i in range(count)]
             nodes = [sink_node(sink) for sink in sinks]
         node_cpu = [node.cpu() for node in nodes]
-        router = Router(run_dir, jsonl, [node.address for node in nodes])
-        peak = PeakRss(router.process)
+        router = start_router(run_dir, jsonl, [node.address for node in nodes])
+        peak = RssSampler(router.proc.pid, SAMPLE_S)
         peak.start()
         router.wait_url()
         wait_done(router, nodes, total, opts.timeout)
@@ -369,15 +262,14 @@ def throughput(
         node_cpu = [node.cpu() - before for node, before in zip(nodes, node_cpu, strict=True)]
         stats = router.stats()
         peak_rss = peak.stop()
-        router.stop()
+        router.stop_cleanly()
         sink_counts = [sink.counts() for sink in sinks]
         for daemon in daemons:
-            daemon.stop()  # exit 0 and "stopped cleanly", or it raises
+            daemon.stop_cleanly()  # exit 0 and "stopped cleanly", or it raises
     finally:
         client.close()
-        if router is not None and router.proc.poll() is None:
-            router.proc.kill()
-            router.proc.wait()
+        if router is not None:
+            router.kill()
         for sink in sinks:
             sink.stop()
         for daemon in daemons:
@@ -527,7 +419,9 @@ def memory_run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     router: Router | None = None
     sampler: StatsSampler | None = None
     try:
-        router = Router(run_dir, jsonl, [fast.address, slow.address], opts.memory_mb, follow=True)
+        router = start_router(
+            run_dir, jsonl, [fast.address, slow.address], opts.memory_mb, follow=True
+        )
         router.wait_url()
         sampler = StatsSampler(router)
         sampler.start()
@@ -558,14 +452,13 @@ def memory_run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         sampler.stop()
         stats = router.stats()
         log = router.log()
-        router.stop()
+        router.stop_cleanly()
         fast_counts, slow_counts = fast.counts(), slow.counts()
     finally:
         if sampler is not None and sampler.is_alive():
             sampler.stop()
-        if router is not None and router.proc.poll() is None:
-            router.proc.kill()
-            router.proc.wait()
+        if router is not None:
+            router.kill()
         fast.stop()
         slow.stop()
     samples = sampler.samples

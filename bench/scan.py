@@ -124,7 +124,7 @@ def feed_initial(daemon: Daemon, mutations: int, keys: int, seed: int) -> float:
             "indexer",
             "feed",
             "--to",
-            daemon.feed_address,
+            daemon.address,
             "--generate",
             str(mutations),
             "--keys",
@@ -615,7 +615,7 @@ def measure_latency(
         sys.executable,
         str(Path(__file__).resolve()),
         "--feeder",
-        str(daemon.feed_port),
+        str(daemon.port),
         "--mutations",
         str(opts.mutations),
         "--keys",
@@ -742,8 +742,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Every measurement in order; the JSON summary."""
     load_start = os.getloadavg()[0]
-    daemon = Daemon(workdir)
-    config = load_config(daemon.config_path)
+    daemon = Daemon.in_workdir(workdir)
+    config = load_config(daemon.config)
     interval_s = config.snapshots.in_memory_interval_s
     say(
         f"workload: {opts.mutations} mutations over {opts.keys} docids, {DELETE_RATIO:.0%} "
@@ -792,7 +792,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     f"WARNING: Spark counted {spark.rows} rows, the index has {entries[SCAN_INDEX]}"
                 )
 
-        daemon.stop()
+        daemon.stop_cleanly()
         raw = measure_raw(daemon.data_dir)
         raw_per_s = raw.per_s(raw.bare_s)
         if raw.rows != arrow.rows or raw.range_rows != range_arrow.rows:
@@ -820,7 +820,7 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
         daemon.start()
         latency = measure_latency(daemon, opts, interval_s, workdir)
-        daemon.stop()
+        daemon.stop_cleanly()
     finally:
         daemon.kill()
 

@@ -1,17 +1,14 @@
-"""Real processes on 127.0.0.1: the daemon and the router feed as subprocesses."""
+"""Real processes on 127.0.0.1: the daemon and the router feed as subprocesses.
+
+The process harness itself is tests/harness.py, which the benchmarks share; this module adds
+the pytest fixtures and the tests' HTTP and CLI helpers.
+"""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import random
-import re
-import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,129 +17,34 @@ from typing import Any
 import httpx
 import pytest
 
-from indexer.keys import MISSING, collate, field_value
 from indexer.router.documents import Document
-from indexer.where import Expr, matches, parse_where
+from tests.harness import (
+    INDEXES,
+    WAIT_S,
+    Daemon,
+    Router,
+    RssSampler,
+    free_port,
+    indexer_command,
+    model,
+    write_config,
+    write_jsonl,
+)
+
+__all__ = [
+    "INDEXES",
+    "WAIT_S",
+    "Daemon",
+    "Router",
+    "RssSampler",
+    "free_port",
+    "indexer_command",
+    "model",
+    "write_config",
+    "write_jsonl",
+]
 
 pytestmark = pytest.mark.e2e
-
-INDEXES = {"by_city": ["address.city", "age"], "by_age": ["age"]}
-
-
-def _ephemeral_ports() -> range:
-    """The range the kernel picks outgoing connections' ports from (Linux; elsewhere a guess)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return range(int(low), int(high) + 1)
-    except (OSError, ValueError):
-        return range(32768, 61000)
-
-
-# Ports this test process has handed out: a daemon binds its port some time after it is chosen.
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, below the ephemeral range and not handed out before.
-
-    A port the kernel picked for a bind to port 0 could be picked again for an outgoing
-    connection (the feeds, HTTP clients) before the daemon that was given it binds it.
-    """
-    ephemeral = _ephemeral_ports()
-    candidates = [p for p in range(20_000, 32_768) if p not in ephemeral and p not in _HANDED_OUT]
-    for port in random.sample(candidates, min(200, len(candidates))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise AssertionError("no free port on 127.0.0.1 below the ephemeral range")
-
-
-def indexer_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "indexer", *args]
-
-
-def write_config(path: Path, data_dir: Path, port: int, **sections: dict[str, Any]) -> Path:
-    """A TOML config: the two test indexes plus any overridden sections."""
-    server = sections.pop("server", {})
-    server.setdefault("http_port", free_port())
-    lines = [
-        "[server]",
-        f'data_dir = "{data_dir}"',
-        f"feed_port = {port}",
-        'log_level = "info"',
-    ]
-    for key, value in server.items():
-        lines.append(f"{key} = {json.dumps(value)}")
-    for name, table in sections.items():
-        lines.append(f"[{name}]")
-        lines.extend(f"{k} = {json.dumps(v)}" for k, v in table.items())
-    for name, keys in INDEXES.items():
-        lines += [f"[indexes.{name}]", f"keys = {json.dumps(keys)}"]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-class Daemon:
-    """`indexer serve` in a subprocess, its log in a file."""
-
-    def __init__(self, config: Path, log: Path, port: int) -> None:
-        self.config = config
-        self.log_path = log
-        self.port = port
-        text = config.read_text()
-        self.http_port = int(text.split("http_port = ", 1)[1].split("\n", 1)[0])
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.args: list[str] = []  # more `indexer serve` arguments
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def start(self, timeout: float = 30) -> Daemon:
-        mark = self.log().count("listening for router feeds")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                indexer_command("serve", "--config", str(self.config), *self.args), stderr=log
-            )
-        deadline = time.monotonic() + timeout
-        while self.log().count("listening for router feeds") <= mark:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited at start:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"daemon did not listen in time:\n{self.log()}")
-            time.sleep(0.05)
-        return self
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text()
-        except FileNotFoundError:
-            return ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        code = self.proc.wait(timeout=timeout)
-        self.proc = None
-        return code
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.proc = None
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 @pytest.fixture
@@ -184,87 +86,8 @@ def dump(daemon: Daemon, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def write_jsonl(path: Path, documents: list[Document], append: bool = False) -> Path:
-    """Documents as the feed's JSONL input; with `append`, added to the end of the file."""
-    with open(path, "a" if append else "w") as f:
-        for d in documents:
-            item = (
-                {"id": d.docid, "deleted": True}
-                if d.body is None
-                else {"id": d.docid, "doc": d.body}
-            )
-            f.write(json.dumps(item) + "\n")
-    return path
-
-
-def model(
-    documents: list[Document], paths: list[str], where: str | Expr | None = None
-) -> list[dict[str, Any]]:
-    """The index an uninterrupted run must give, computed without the key encoding; with
-    `where`, that of a partial index (only documents the condition is TRUE for)."""
-    condition = parse_where(where) if isinstance(where, str) else where
-    latest: dict[str, dict[str, Any] | None] = {}
-    for d in documents:
-        latest[d.docid] = d.body
-    rows = []
-    for docid, body in latest.items():
-        if body is None or not matches(condition, body):
-            continue
-        values = [field_value(body, path) for path in paths]
-        if values[0] is MISSING:
-            continue
-        rows.append((values, docid))
-
-    def order(a: tuple[list[Any], str], b: tuple[list[Any], str]) -> int:
-        for x, y in zip(a[0], b[0], strict=True):
-            c = collate(x, y)
-            if c:
-                return c
-        ka, kb = a[1].encode(), b[1].encode()
-        return (ka > kb) - (ka < kb)
-
-    rows.sort(key=functools.cmp_to_key(order))
-    out = []
-    for values, docid in rows:
-        entry: dict[str, Any] = {"key": [None if v is MISSING else v for v in values], "id": docid}
-        missing = [i for i, v in enumerate(values) if v is MISSING]
-        if missing:
-            entry["missing"] = missing
-        out.append(entry)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
 # The long-running router
-
-WAIT_S = 60.0
-
-
-class Router:
-    """`indexer router` in a subprocess, its log in a file."""
-
-    def __init__(self, log_path: Path, *args: str) -> None:
-        self.log_path = log_path
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(indexer_command("router", *args), stderr=log)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_log(self, pattern: str, count: int = 1, timeout: float = WAIT_S) -> list[str]:
-        """The log's matches of `pattern` once there are `count` of them."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = re.findall(pattern, self.log())
-            if len(found) >= count:
-                return found
-            assert self.proc.poll() is None, f"the router exited:\n{self.log()}"
-            assert time.monotonic() < deadline, f"no {pattern!r} x{count} in:\n{self.log()}"
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
 
 
 @pytest.fixture
@@ -278,9 +101,7 @@ def routers(tmp_path: Path) -> Iterator[Any]:
 
     yield make
     for router in started:
-        if router.proc.poll() is None:
-            router.proc.kill()
-            router.proc.wait()
+        router.kill()
 
 
 def scan(daemon: Daemon, name: str, consistency: str = "request_plus") -> list[dict[str, Any]]:
@@ -306,7 +127,7 @@ def wait_equal(daemon: Daemon, documents: list[Document], timeout: float = WAIT_
 
 
 # ------------------------------------------------------------------------------------------------
-# Fault and memory tests: the daemon's statistics and its RSS over time
+# Fault tests
 
 
 def thread_nices(pid: int) -> dict[int, int]:
@@ -321,46 +142,3 @@ def thread_nices(pid: int) -> dict[int, int]:
         except OSError:
             continue  # the thread ended meanwhile
     return nices
-
-
-def daemon_stats(daemon: Daemon) -> dict[str, Any]:
-    """The daemon's `GET /stats`."""
-    answer = httpx.get(f"{daemon.url}/stats", timeout=30)
-    assert answer.status_code == 200, answer.text
-    stats: dict[str, Any] = answer.json()
-    return stats
-
-
-class RssSampler:
-    """Samples a process's RSS every `interval` seconds in a thread, while inside `with`."""
-
-    def __init__(self, pid: int, interval: float = 0.05) -> None:
-        import psutil
-
-        self.process = psutil.Process(pid)
-        self.interval = interval
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.is_set():
-            try:
-                self.samples.append(int(self.process.memory_info().rss))
-            except psutil.NoSuchProcess:
-                return
-            self._stop.wait(self.interval)
-
-    @property
-    def peak(self) -> int:
-        return max(self.samples, default=0)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()

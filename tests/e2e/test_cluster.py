@@ -14,21 +14,16 @@ import pytest
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model, wait_equal, write_jsonl
+from tests.harness import write_cluster_map
 
 pytestmark = pytest.mark.e2e
 
 
 def write_map(path: Path, nodes: dict[str, tuple[Daemon, str]]) -> Path:
-    lines = ["num_vbuckets = 1024"]
-    for name, (daemon, vbuckets) in nodes.items():
-        lines += [
-            f"[nodes.{name}]",
-            f'feed = "{daemon.address}"',
-            f'http = "127.0.0.1:{daemon.http_port}"',
-            f'vbuckets = ["{vbuckets}"]',
-        ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    """A cluster map of running daemons, each with its vbucket range."""
+    return write_cluster_map(
+        path, [(name, d.port, d.http_port, vbuckets) for name, (d, vbuckets) in nodes.items()]
+    )
 
 
 def owned_by(documents: list[Document], first: int, last: int) -> list[Document]:

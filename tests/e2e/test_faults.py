@@ -24,7 +24,6 @@ from tests.e2e.conftest import (
     WAIT_S,
     Daemon,
     RssSampler,
-    daemon_stats,
     dump,
     free_port,
     model,
@@ -92,7 +91,7 @@ def test_a_router_gone_mid_frame_applies_nothing_partial_and_the_next_one_resume
         )
         assert daemon.running
         assert httpx.get(f"{daemon.url}/health").status_code == 200
-        stats = daemon_stats(daemon)
+        stats = daemon.stats()
         assert stats["vbuckets"]["received_seqno_sum"] == received, (cut, stats["vbuckets"])
         assert stats["reader"]["protocol_errors"] == n + 1
         applied = history.docs[vb][:received]
@@ -106,7 +105,7 @@ def test_a_router_gone_mid_frame_applies_nothing_partial_and_the_next_one_resume
     client.close()
     wait_equal(daemon, history.documents())
     # What it resent below the received position was skipped, not applied twice.
-    assert daemon_stats(daemon)["reader"]["duplicates_skipped"] == received - restart
+    assert daemon.stats()["reader"]["duplicates_skipped"] == received - restart
     assert daemon.stop() == 0
     for name, paths in INDEXES.items():
         assert dump(daemon, name) == model(history.documents(), paths), name
@@ -168,7 +167,7 @@ def test_a_router_that_stops_reading_acks_blocks_only_itself(daemon_factory: Any
                 last, still_since = flooder.bytes, time.monotonic()
             time.sleep(0.1)
         assert flooder.bytes > 1 * MiB
-        taken = daemon_stats(daemon)["reader"]["mutations"]
+        taken = daemon.stats()["reader"]["mutations"]
         with RssSampler(daemon.proc.pid) as sampler:  # type: ignore[union-attr]
             # Other connections and scans go on meanwhile.
             for vb in good_vbs:
@@ -183,7 +182,7 @@ def test_a_router_that_stops_reading_acks_blocks_only_itself(daemon_factory: Any
             time.sleep(2)
         assert fed_s < 10, fed_s
         # The daemon took nothing more from the stuck router, which cannot send either.
-        assert daemon_stats(daemon)["reader"]["mutations"] == taken + 8 * 200
+        assert daemon.stats()["reader"]["mutations"] == taken + 8 * 200
         assert flooder.bytes == last, "the stalled router moved on"
         # Bounded: a little over the idle daemon, and flat while the router keeps trying.
         assert sampler.peak - base < 48 * MiB, (base, sampler.peak)
@@ -191,7 +190,7 @@ def test_a_router_that_stops_reading_acks_blocks_only_itself(daemon_factory: Any
         assert max(last_second) - min(last_second) < 2 * MiB, last_second
     finally:
         flooder.stop()
-    wait_for("the disconnect", lambda: daemon_stats(daemon)["reader"]["connections"] == 0)
+    wait_for("the disconnect", lambda: daemon.stats()["reader"]["connections"] == 0)
     # It comes back and resumes from the restart position: nothing it sent is lost or doubled.
     again = FeedClient(daemon, stuck_vbs)
     again.resume(stuck_history)
@@ -226,7 +225,7 @@ def test_slow_storage_stalls_reads_instead_of_growing(
         )  # fmt: skip
         deadline = time.monotonic() + WAIT_S
         while True:
-            stats = daemon_stats(daemon)
+            stats = daemon.stats()
             written = sum(q["flushed"] for q in stats["queues"])
             backlog = max(backlog, stats["reader"]["mutations"] - written)
             if stats["persisted"]["seqno_sum"] >= 60_000:
@@ -235,7 +234,7 @@ def test_slow_storage_stalls_reads_instead_of_growing(
             time.sleep(0.1)
         wait_equal(daemon, list(generate(Workload(60_000, 60_000, 0.1, 9))))
     elapsed = time.monotonic() - started
-    stats = daemon_stats(daemon)
+    stats = daemon.stats()
     # The pipeline waited for room instead of taking more: stalls on the full pool, each a pause
     # of reading the network, and the slow writes were what it waited for.
     assert sum(q["stalls"] for q in stats["queues"]) > 0, stats["queues"]
@@ -358,9 +357,9 @@ def _disk_full_scenario(daemon: Daemon, disk: DiskFull, routers: Any, tmp_path: 
     # It stops: nothing more acknowledged, intake stalls once the pool is full, and /stats
     # says why; scans of what is readable still answer.
     time.sleep(1.0)
-    stuck = daemon_stats(daemon)
+    stuck = daemon.stats()
     time.sleep(1.5)
-    later = daemon_stats(daemon)
+    later = daemon.stats()
     assert daemon.running
     assert later["persisted"]["seqno_sum"] == stuck["persisted"]["seqno_sum"]
     assert later["persisted"]["seqno_sum"] < len(before) + len(during)
@@ -386,7 +385,7 @@ def _disk_full_scenario(daemon: Daemon, disk: DiskFull, routers: Any, tmp_path: 
     )
     total = len(documents)
     wait_for("everything to persist", lambda: persisted(daemon) >= total)
-    stats = daemon_stats(daemon)
+    stats = daemon.stats()
     assert not any(q["write_failing"] for q in stats["queues"])
     assert not stats["timekeeper"]["persist_failing"]
     # Losing nothing acknowledged: killed now, it restarts from all of it.
@@ -402,5 +401,5 @@ def _disk_full_scenario(daemon: Daemon, disk: DiskFull, routers: Any, tmp_path: 
 
 
 def persisted(daemon: Daemon) -> int:
-    total: int = daemon_stats(daemon)["persisted"]["seqno_sum"]
+    total: int = daemon.stats()["persisted"]["seqno_sum"]
     return total

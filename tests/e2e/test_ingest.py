@@ -20,7 +20,6 @@ from tests.e2e.conftest import (
     INDEXES,
     WAIT_S,
     Daemon,
-    daemon_stats,
     dump,
     indexer_command,
     model,
@@ -78,9 +77,9 @@ def test_kill_9_at_random_moments_then_resume_gives_the_same_index(
             text=True,
         )
         deadline = time.monotonic() + WAIT_S
-        while daemon_stats(daemon)["vbuckets"]["received_seqno_sum"] < share * len(documents):
+        while daemon.stats()["vbuckets"]["received_seqno_sum"] < share * len(documents):
             assert feeder.poll() is None, "the feed ended before the kill"
-            assert time.monotonic() < deadline, daemon_stats(daemon)["vbuckets"]
+            assert time.monotonic() < deadline, daemon.stats()["vbuckets"]
             time.sleep(0.01)
         daemon.kill()
         _, err = feeder.communicate(timeout=60)
@@ -107,7 +106,7 @@ def test_slab_pool_exhausted_stalls_reads_and_loses_nothing(
     ).start()
     fed = run_feed(daemon, jsonl)
     assert fed.returncode == 0, fed.stderr
-    stats = daemon_stats(daemon)
+    stats = daemon.stats()
     assert stats["slab"]["waits"] > 0  # allocations waited for a flush to free room
     assert sum(queue["stalls"] for queue in stats["queues"]) > 0
     assert stats["slab"]["chunks_in_use"] == 0  # and every chunk came back

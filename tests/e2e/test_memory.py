@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import INDEXES, WAIT_S, Daemon, RssSampler, daemon_stats, model
+from tests.e2e.conftest import INDEXES, WAIT_S, Daemon, RssSampler, model
 from tests.e2e.feed_client import FeedClient, History
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +37,7 @@ def idle_rss(daemon_factory: Any) -> int:
     (their first calls import and allocate what every later one reuses)."""
     probe = daemon_factory(**PIPELINE).start()
     httpx.get(f"{probe.url}/indexes/by_age/scan", timeout=30)
-    daemon_stats(probe)
+    probe.stats()
     time.sleep(0.5)
     with RssSampler(probe.proc.pid) as sampler:  # type: ignore[union-attr]
         time.sleep(0.5)
@@ -85,10 +85,10 @@ def test_a_full_speed_router_stays_under_the_quota_with_reads_paused_and_resumed
         client.resume(history)  # nothing left to send: waits for every acknowledgement
         elapsed = time.monotonic() - started
         fed_peak = sampler.peak
-        fed = daemon_stats(daemon)
+        fed = daemon.stats()
         client.close()
         scans_equal_model(daemon, history)  # the scans' own memory counts too
-    stats = daemon_stats(daemon)
+    stats = daemon.stats()
     throttle = stats["throttle"]
     log = daemon.log()
     print(

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from indexer.router import Workload, generate
-from tests.e2e.conftest import daemon_stats, indexer_command, run_feed, wait_equal, write_jsonl
+from tests.e2e.conftest import indexer_command, run_feed, wait_equal, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ def loaded(daemon_factory: Any, tmp_path: Path, workload: Workload) -> tuple[Any
     fed = feed_state(tmp_path / "a", write_jsonl(tmp_path / "a.jsonl", documents), daemon.address)
     assert fed.returncode == 0, fed.stderr
     wait_equal(daemon, documents)
-    return daemon, documents, daemon_stats(daemon)["source"]
+    return daemon, documents, daemon.stats()["source"]
 
 
 def test_a_router_of_another_source_is_refused_and_nothing_is_rolled_back(
@@ -113,7 +113,7 @@ def test_adopt_source_takes_a_node_over_explicitly(
     )  # fmt: skip
     wait_equal(daemon, new)  # only the new source's documents
     assert "takes this node over (--adopt-source)" in daemon.log()
-    new_source = daemon_stats(daemon)["source"]
+    new_source = daemon.stats()["source"]
     assert new_source != old_source
     assert router.stop() == 0 and daemon.stop() == 0
     # Taken over for good: the old source is refused after a restart without the flag.
