@@ -237,8 +237,9 @@ async def serve(
         # Maintenance records carry the keys of the indexes being built too; writers skip them.
         catalog.switch_writers()
         reader.reopen(catalog.columns)
-        reader.rollback = Rollback(pipeline)
-        reader.rollback.restart_builds = catalog.restart_builds
+        rollback = Rollback(pipeline)
+        rollback.restart_builds = catalog.restart_builds
+        reader.rollback = rollback
         reader.record_source = store.record_source
         view = DaemonView(
             pipeline,
@@ -249,6 +250,7 @@ async def serve(
             catalog,
             Compactor(store, config.compaction.interval_s),
             collector=collector,
+            rollback=rollback,
         )
         try:
             async with trio.open_nursery() as services:

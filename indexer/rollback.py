@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -78,6 +80,18 @@ def recover_store(
     return reverted
 
 
+@dataclass(frozen=True)
+class RollbackRecord:
+    """One rollback, as `GET /stats` shows the last one."""
+
+    to: str  # "zero" or "recovery point N"
+    seqno_sum: int  # of the timestamp the index went back to
+    vbuckets: int  # that had diverged
+    documents_reverted: int | None  # None: all (the store was emptied)
+    seconds: float
+    at: float  # wall time it finished
+
+
 class Rollback:
     """Rolls the whole index back for a router whose history diverged (see module doc)."""
 
@@ -91,6 +105,7 @@ class Rollback:
         self.cache = pipeline.cache
         self.data_dir = pipeline.data_dir
         self.count = 0
+        self.last: RollbackRecord | None = None
         # Runs after each rollback, pipeline still stopped: index builds start again from zero
         # (what they wrote may belong to the history that did not survive).
         self.restart_builds: Callable[[], Awaitable[None]] | None = None
@@ -137,12 +152,24 @@ class Rollback:
         snapshot = self.snapshots.publish(ts, self.store.snapshot(), self.timekeeper.counts())
         self.snapshots.roll_back(snapshot)
         self.count += 1
-        log.warning(
-            "rolled back to %s (seqnos summing to %d) for %d diverged vbuckets: "
-            "%s documents reverted in %.2f s",
+        self.last = RollbackRecord(
             "zero" if point is None else f"recovery point {point.point}",
             ts.total,
             len(needs),
-            "all" if reverted < 0 else reverted,
-            time.monotonic() - started,
+            None if reverted < 0 else reverted,
+            round(time.monotonic() - started, 3),
+            time.time(),
         )
+        log.warning(
+            "rolled back to %s (seqnos summing to %d) for %d diverged vbuckets: "
+            "%s documents reverted in %.2f s",
+            self.last.to,
+            ts.total,
+            len(needs),
+            "all" if reverted < 0 else reverted,
+            self.last.seconds,
+        )
+
+    def statistics(self) -> dict[str, Any]:
+        """How many rollbacks this run made, and the last one."""
+        return {"count": self.count, "last": None if self.last is None else asdict(self.last)}

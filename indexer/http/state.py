@@ -14,6 +14,7 @@ from indexer.compaction import Compactor
 from indexer.config import LimitsConfig, SecurityConfig
 from indexer.metrics import SCAN_BUCKETS_S, Histogram, process_started_at, version
 from indexer.pipeline import Pipeline
+from indexer.rollback import Rollback
 from indexer.snapshots import SnapshotStore
 from indexer.storage import IndexStore, StoredIndex
 from indexer.streams import StreamRegistry
@@ -35,6 +36,7 @@ class DaemonView:
     catalog: IndexCatalog | None = None
     compactor: Compactor | None = None
     collector: CollectorPauses | None = None
+    rollback: Rollback | None = None
     ready: bool = False
 
     @property

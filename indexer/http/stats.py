@@ -73,6 +73,7 @@ class StatsRoutes(ApiState):
             },
             "builds": {b.name: asdict(b.status()) for b in self._builds()},
             "compaction": None if v.compactor is None else v.compactor.statistics(),
+            "rollbacks": None if v.rollback is None else v.rollback.statistics(),
             "storage": {"level0_files": v.store.level0_files()},
             "collector": None if v.collector is None else asdict(v.collector.statistics()),
             "snapshots": asdict(snaps.statistics()),

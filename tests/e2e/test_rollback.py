@@ -39,6 +39,9 @@ def test_failover_rolls_back_to_a_recovery_point(daemon_factory: Any) -> None:
     assert router.restart[11] <= 180
     assert router.restart[11] >= 100, "a recovery point at or after round 1 was kept"
     assert router.restart[222] < 300  # the whole index went back to that point
+    rollbacks = daemon.stats()["rollbacks"]
+    assert rollbacks["count"] == 1 and rollbacks["last"]["to"].startswith("recovery point")
+    assert rollbacks["last"]["vbuckets"] == 1 and rollbacks["last"]["documents_reverted"] > 0
     assert "rolled back to recovery point" in daemon.log()
     # The same history again: nothing to roll back.
     again = Router(daemon, source)
@@ -61,6 +64,8 @@ def test_failover_older_than_every_recovery_point_rolls_back_to_zero(
     source.write(222, 30)
     router = feed(daemon, source)
     assert router.restart == dict.fromkeys(VBUCKETS, 0)
+    rollbacks = daemon.stats()["rollbacks"]
+    assert rollbacks["count"] == 1 and rollbacks["last"]["to"] == "zero"
     assert "rolled back to zero" in daemon.log()
     indexes_equal_model(daemon, source)
     # A history with nothing in common (a new source) also goes back to zero, and a restart
