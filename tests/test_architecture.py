@@ -74,7 +74,14 @@ def test_no_module_imports_itself_back_through_others() -> None:
 
 
 @pytest.mark.parametrize(
-    "codec", ["indexer.protocol", "indexer.router.pipe", "indexer.router.shard_pipe"]
+    "codec",
+    [
+        "indexer.protocol",
+        "indexer.router.pipe",
+        "indexer.router.shard_pipe",
+        "indexer.router.bulk",
+        "indexer.router.lines",
+    ],
 )
 def test_the_codecs_import_nothing_of_io_or_storage(codec: str) -> None:
     forbidden = ("trio", "plyvel", "socket", "ssl", "indexer.storage", "workers", "slab")

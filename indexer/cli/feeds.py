@@ -363,6 +363,14 @@ def _feed_state(
     help="Cap of recent mutations kept in memory; nodes further behind read the source log.",
 )
 @click.option(
+    "--bulk-max-mb",
+    type=click.FloatRange(0.001, 1024),
+    metavar="MB",
+    default=16.0,
+    show_default=True,
+    help="Largest body of a POST /docs/_bulk request; a larger one gets 413.",
+)
+@click.option(
     "--vbucket-range",
     metavar="RANGE",
     help="Own only these vbuckets (like 0-511, or 0-255,768-1023), as one of several peer "
@@ -414,6 +422,7 @@ def router(
     seed: int,
     rate: float | None,
     memory_mb: float,
+    bulk_max_mb: float,
     vbucket_range: str | None,
     source_id: str | None,
     cluster_map: Path | None,
@@ -482,6 +491,7 @@ def router(
             *(arg for address in addresses for arg in ("--to", f"{address[0]}:{address[1]}")),
             *(["--cluster-map", str(cluster_map)] if cluster_map is not None else []),
             "--memory-mb", str(memory_mb),
+            "--bulk-max-mb", str(bulk_max_mb),
             "--log-level", log_level or "info",
             "--log-format", log_format,
             *(["--tls"] if tls else []),
@@ -489,7 +499,7 @@ def router(
         ]  # fmt: skip
         _run_shards(
             state, shards, vbuckets, source_id, shard_args, _token(token, token_file),
-            memory_mb, jsonl, follow, workload, rate, http,
+            memory_mb, jsonl, follow, workload, rate, http, int(bulk_max_mb * (1 << 20)),
         )  # fmt: skip
         return
     options = RouterOptions(
@@ -503,6 +513,7 @@ def router(
         cluster_map=cluster_map,
         security=_feed_security(token, token_file, tls, tls_ca),
         parent_pipe=parent_pipe,
+        bulk_max_bytes=int(bulk_max_mb * (1 << 20)),
     )
     try:
         log = SourceLog(
@@ -591,6 +602,7 @@ def _run_shards(
     workload: Any,
     rate: float | None,
     http: tuple[str, int] | None,
+    bulk_max_bytes: int,
 ) -> None:
     """`indexer router --shards K`: this process starts the shards and feeds them."""
     from indexer.router import SourceError
@@ -618,6 +630,7 @@ def _run_shards(
         rate,
         http,
         env={} if token is None else {TOKEN_ENV: token},
+        bulk_max_bytes=bulk_max_bytes,
     )
     try:
         trio.run(run_sharded_router, options)

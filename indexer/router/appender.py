@@ -13,11 +13,12 @@ from collections.abc import Sequence
 
 import trio
 
-from indexer.router.documents import Document, DocumentError, parse_line, vbucket_of
+from indexer.router.documents import Document, vbucket_of
 from indexer.router.expiry import with_absolute_expiry
 from indexer.router.mutations import MutationManager
 from indexer.router.node_stream import RecentDocuments, SharedFrames
 from indexer.router.source import SourceLog
+from indexer.router.visibility import Visibility
 
 log = logging.getLogger("indexer.router")
 
@@ -29,27 +30,6 @@ def append_bytes(capacity: int) -> int:
     """Input bytes per append: up to an eighth of the Mutation Manager's cap (a batch beyond it
     would drop every cursor at once), from one read to MAX_APPEND_BYTES."""
     return max(READ_BYTES, min(MAX_APPEND_BYTES, capacity // 8))
-
-
-def parse_lines(lines: Sequence[tuple[int, bytes]], where: str) -> tuple[list[Document], list[str]]:
-    """The documents of numbered JSONL lines, and one message per bad line; blanks skipped."""
-    documents = []
-    errors = []
-    for number, raw in lines:
-        try:
-            text = raw.decode("utf-8")
-            if text.strip():
-                document = parse_line(text, f"{where}:{number}", raw.strip())
-                try:
-                    with_absolute_expiry(document, 0.0)  # a bad `_exp` is a bad line
-                except DocumentError as exc:
-                    raise DocumentError(f"{where}:{number}: {exc}") from None
-                documents.append(document)
-        except UnicodeDecodeError:
-            errors.append(f"{where}:{number}: not UTF-8")
-        except DocumentError as exc:
-            errors.append(str(exc))
-    return documents, errors
 
 
 class Appender:
@@ -67,6 +47,7 @@ class Appender:
         self.input_waiting = False  # an input has more to append than it has read
         self.expired = 0  # documents deleted by the expiry pager
         self.foreign = 0  # input documents of other routers' vbuckets, left to them
+        self.visibility = Visibility(self.wake)  # what the nodes can read (wait=visible)
 
     def next_change(self) -> trio.Event:
         """The event the next append sets."""

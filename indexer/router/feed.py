@@ -253,6 +253,7 @@ class _Peer:
         self.decoder = p.FrameDecoder(64 << 20)
         self.acked: dict[int, int] = {}
         self.on_ack: Callable[[p.Ack], None] | None = None  # told of every ACK as it comes
+        self.on_barrier: Callable[[p.BarrierReply], None] | None = None  # and of every reply
         self.changed = trio.Event()
         # Decoded and not yet taken, in arrival order: a later ACK must not be undone by an
         # earlier one that came in the same receive.
@@ -308,7 +309,10 @@ class _Peer:
         elif isinstance(message, p.BufferAck):
             self.credited += message.nbytes
         elif isinstance(message, p.BarrierReply):
-            self.barriers[message.cookie] = message
+            if self.on_barrier is not None:
+                self.on_barrier(message)
+            else:
+                self.barriers[message.cookie] = message
         else:
             return
         self.changed.set()

@@ -57,6 +57,7 @@ from indexer.router.mutations import (
 )
 from indexer.router.records import BATCH_RECORDS, SEND_BYTES, RecordEncoder, batch_bytes
 from indexer.router.source import SourceLog, decode_document, encode_document
+from indexer.router.visibility import BarrierTurn, Visibility
 
 log = logging.getLogger("indexer.router")
 
@@ -491,6 +492,7 @@ async def follow_memory(
     recent: RecentDocuments | None = None,
     security: FeedSecurity | None = None,
     shared: SharedFrames | None = None,
+    visibility: Visibility | None = None,
 ) -> NoReturn:
     """Stream to the indexer at host:port from the Mutation Manager, backfilling from `source`
     where memory does not reach, until cancelled or a FeedError (one connection, no retry).
@@ -499,7 +501,9 @@ async def follow_memory(
     is called after the handshake with the number of vbuckets that start with a backfill.
     With `build`, this is the build stream of that index: the node's reply names that index only
     (its keys are the only ones computed), and restarts from what the build has. `defer()` is
-    asked between pieces sent: while it is true the stream waits (see `Deference`).
+    asked between pieces sent: while it is true the stream waits (see `Deference`). With
+    `visibility`, a maintenance stream sends a barrier when it has sent everything and a request
+    waits to be readable (indexer/router/visibility.py).
     """
     n = source.num_vbuckets
     settings = FeedSettings(
@@ -527,13 +531,18 @@ async def follow_memory(
             )
         except MutationError as exc:
             raise FeedError(f"the indexer's restart positions do not fit the log: {exc}") from None
+        wakeup = Wakeup()
+        barriers: BarrierTurn | None = None
         if not build:
             peer.on_ack = cursors.acknowledged
+            if visibility is not None:  # read-your-writes: barriers when a request waits
+                visibility.connected(consumer, cursors.vbuckets)
+                barriers = BarrierTurn(visibility, consumer, wakeup.set)
+                peer.on_barrier = barriers.answered
         stats.connected = True
         stats.connections += 1
         if on_connected is not None:
             on_connected(reply, len(cursors.backfilling))
-        wakeup = Wakeup()
         request_send, request_receive = trio.open_memory_channel[Backfill](math.inf)
         chunk_send, chunk_receive = trio.open_memory_channel[BackfillChunk | EncodedChunk](
             BACKFILL_QUEUE_CHUNKS
@@ -588,6 +597,10 @@ async def follow_memory(
                         stats.superseded = cursors.superseded
                         stats.backfilling = len(cursors.backfilling)
                         if not moved and not cursors.requests:
+                            if barriers is not None and (
+                                cookie := barriers.due(cursors.sent + cursors.backfilled)
+                            ):
+                                await peer.send(p.encode(p.Barrier(cookie)))
                             idle = True
                             await wakeup.wait()
                             idle = False

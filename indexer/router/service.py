@@ -22,7 +22,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
+import httpx
 import trio
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
@@ -30,7 +32,10 @@ from indexer import protocol as p
 from indexer.asgi import answer_lifespan, serve_asgi
 from indexer.collector import CollectorPauses, rare_collections
 from indexer.metrics import process_started_at, version
-from indexer.router.appender import READ_BYTES, Appender, append_bytes, parse_lines
+from indexer.router import bulk
+from indexer.router.appender import READ_BYTES, Appender, append_bytes
+from indexer.router.bulk import BULK_PATH, DEFAULT_MAX_BULK_BYTES, BulkStatistics
+from indexer.router.bulk_forward import MARGIN_S, PARENT_URL_ENV, forward_lines
 from indexer.router.documents import (
     Document,
     DocumentError,
@@ -40,6 +45,7 @@ from indexer.router.documents import (
 )
 from indexer.router.expiry import with_absolute_expiry
 from indexer.router.feed import RECONNECT_CODES, FeedError, FeedSecurity
+from indexer.router.lines import parse_lines
 from indexer.router.metrics import RouterCollector
 from indexer.router.mutations import MutationManager
 from indexer.router.node_stream import (
@@ -85,6 +91,7 @@ class RouterOptions:
     security: FeedSecurity = field(default_factory=FeedSecurity)
     # A shard of `indexer router --shards`: the input is the parent's, on stdin (needs `http`).
     parent_pipe: bool = False
+    bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES  # of a POST /docs/_bulk body
 
 
 async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None:
@@ -284,6 +291,7 @@ async def _keep_streaming(
                         recent=appender.recent,
                         shared=appender.frames,
                         security=security,
+                        visibility=appender.visibility,
                     )
                 log.info("%s: handshaking again after a failover", name)
                 continue
@@ -334,11 +342,18 @@ class DocsApi:
         nodes: Nodes,
         token: str = "",
         collector: CollectorPauses | None = None,
+        bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES,
+        parent_url: str | None = None,
     ) -> None:
         self.appender = appender
+        # A shard's parent: bulk lines of other shards' vbuckets go there, it sends them on.
+        self.parent_url = parent_url
+        self.client: httpx.AsyncClient | None = None  # made for the first forwarded bulk
         self.nodes = nodes
         self.token = token
         self.collector = collector
+        self.bulk_max_bytes = bulk_max_bytes
+        self.bulk = BulkStatistics()
         self.refused = 0
         self.started_at = process_started_at()
         self.version = version()
@@ -354,7 +369,7 @@ class DocsApi:
         send: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
         if scope["type"] == "lifespan":
-            await answer_lifespan(receive, send)
+            await answer_lifespan(receive, send, self._close)
             return
         if scope["type"] != "http":
             return
@@ -371,6 +386,10 @@ class DocsApi:
         body = json.dumps(answer).encode() + b"\n"
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
 
     @property
     def progress(self) -> dict[str, NodeProgress]:
@@ -406,9 +425,11 @@ class DocsApi:
             if method != "POST":
                 return 405, {"error": f"{method} is not allowed here: POST"}
             return await self.failover(path[len("/failover/") :], receive)
+        if path == BULK_PATH and method == "POST":  # PUT and DELETE: the document "_bulk"
+            return await self.bulk_append(scope, receive)
         if not path.startswith("/docs/"):
             return 404, {
-                "error": "not found: the routes are PUT and DELETE /docs/ID, "
+                "error": "not found: the routes are PUT and DELETE /docs/ID, POST /docs/_bulk, "
                 "POST /failover/VB, GET /stats and GET /metrics"
             }
         docid = path[len("/docs/") :]
@@ -445,6 +466,83 @@ class DocsApi:
             }
         ((vbucket, seqno),) = await self.appender.append([document])
         return 200, {"vbucket": vbucket, "seqno": seqno}
+
+    async def bulk_append(
+        self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> tuple[int, dict[str, Any]]:
+        """POST /docs/_bulk: every good line appended (synced) in line order, a result per line;
+        with wait=visible, answered once the nodes can read them (indexer/router/bulk.py)."""
+        started = time.monotonic()
+        try:
+            request = bulk.parse_query(parse_qs(scope.get("query_string", b"").decode("latin-1")))
+        except bulk.BulkError as exc:
+            return 400, {"error": str(exc)}
+        body, error = await read_body(receive, self.bulk_max_bytes, "bulk")
+        if error is not None:
+            return error
+        lines = bulk.parse_bulk(bulk.split_lines(body))
+        items: list[dict[str, Any]] = []
+        mine: list[bulk.BulkLine] = []
+        foreign: list[tuple[int, bytes]] = []
+        source = self.appender.source
+        for line in lines:
+            if line.document is None:
+                items.append(bulk.error_item(line, line.error or "bad line"))
+            elif self.appender.owns(line.document.docid):
+                mine.append(line)
+            elif self.parent_url is not None:
+                foreign.append((line.number, line.raw))
+            else:
+                assert source.vbuckets is not None
+                vb = vbucket_of(line.document.docid.encode(), source.num_vbuckets)
+                ours = describe_vbuckets(source.vbuckets)
+                reason = f"vbucket {vb} is not among this router's {ours}: send it to its owner"
+                items.append(bulk.error_item(line, reason))
+        own_failures = len(items)
+        forwarded = None
+        if foreign:
+            if self.client is None:
+                self.client = httpx.AsyncClient()
+            forwarded = await forward_lines(
+                self.client,
+                self.parent_url,
+                "the parent router",
+                foreign,
+                scope.get("query_string", b""),
+                scope["headers"],
+                request.timeout_s + MARGIN_S,
+            )
+            items.extend(forwarded.items)
+        limit = append_bytes(self.appender.mm.capacity)
+        for group in bulk.groups(mine, limit):
+            positions = await self.appender.append([bulk.document_of(line) for line in group])
+            items.extend(
+                bulk.appended_item(line, vb, seqno)
+                for line, (vb, seqno) in zip(group, positions, strict=True)
+            )
+        answer = bulk.answer(items, request.wait, 0.0)
+        self.bulk.count(len(mine), own_failures)
+        late = [forwarded.error] if forwarded is not None and forwarded.status == 504 else []
+        if request.wait == "visible":
+            targets = {
+                int(vb): seqno
+                for vb, seqno in answer["at_plus"].items()
+                if source.owns(int(vb))  # the others' owners waited for theirs
+            }
+            lagging = await self.appender.visibility.wait(targets, request.timeout_s)
+            if lagging:
+                late.insert(
+                    0,
+                    f"appended, but not readable within {request.timeout_s:g} s: "
+                    + ", ".join(lagging),
+                )
+        if late:
+            self.bulk.timeouts += 1
+            answer["error"] = "; ".join(late)
+            answer["took_s"] = round(time.monotonic() - started, 4)
+            return 504, answer
+        answer["took_s"] = round(time.monotonic() - started, 4)
+        return 200, answer
 
     async def failover(
         self, vbucket_text: str, receive: Callable[[], Awaitable[dict[str, Any]]]
@@ -493,6 +591,7 @@ class DocsApi:
                 name: dataclasses.asdict(progress) for name, progress in self.nodes.progress.items()
             },
             "http_refused": self.refused,
+            "bulk": dataclasses.asdict(self.bulk),
             "collector": (
                 None if self.collector is None else dataclasses.asdict(self.collector.statistics())
             ),
@@ -519,16 +618,21 @@ async def send_metrics(send: Callable[[dict[str, Any]], Awaitable[None]], body: 
 
 async def read_body(
     receive: Callable[[], Awaitable[dict[str, Any]]],
+    limit: int = MAX_BODY,
+    what: str = "document",
 ) -> tuple[bytes, tuple[int, dict[str, Any]] | None]:
-    """The request body, or the error answer when it is over MAX_BODY bytes."""
-    body = b""
+    """The request body, or the error answer when it is over `limit` bytes."""
+    pieces: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
-        body += message.get("body", b"")
-        if len(body) > MAX_BODY:
-            return b"", (413, {"error": f"the body is over {MAX_BODY} bytes"})
+        piece = message.get("body", b"")
+        size += len(piece)
+        if size > limit:
+            return b"", (413, {"error": f"the body is over the {what} limit of {limit} bytes"})
+        pieces.append(piece)
         if not message.get("more_body"):
-            return body, None
+            return b"".join(pieces), None
 
 
 async def serve_http(
@@ -537,11 +641,13 @@ async def serve_http(
     nodes: Nodes,
     token: str = "",
     collector: CollectorPauses | None = None,
+    bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES,
+    parent_url: str | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The documents API until cancelled; reports the bound address. With a token, changes
     need it as a bearer token."""
-    app = DocsApi(appender, nodes, token, collector)
+    app = DocsApi(appender, nodes, token, collector, bulk_max_bytes, parent_url)
     await serve_asgi(address, app, "indexer.router.http", task_status=task_status)
 
 
@@ -629,12 +735,19 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                 nursery.start_soon(watch.run, reconcile)
             if options.http is not None:
                 url = await nursery.start(
-                    serve_http, options.http, appender, nodes, options.security.token, collector
+                    serve_http,
+                    options.http,
+                    appender,
+                    nodes,
+                    options.security.token,
+                    collector,
+                    options.bulk_max_bytes,
+                    os.environ.get(PARENT_URL_ENV) if options.parent_pipe else None,
                 )
                 log.log(
                     logging.DEBUG if options.parent_pipe else logging.INFO,  # the parent says it
-                    "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats, "
-                    "GET /metrics)",
+                    "router API on %s (PUT and DELETE /docs/ID, POST /docs/_bulk, "
+                    "POST /failover/VB, GET /stats, GET /metrics)",
                     url,
                 )
             if options.parent_pipe:

@@ -14,7 +14,8 @@ import os
 
 import trio
 
-from indexer.router.appender import Appender, parse_lines
+from indexer.router.appender import Appender
+from indexer.router.lines import parse_lines
 from indexer.router.pipe import MessageReader, PipeError
 from indexer.router.shard_pipe import (
     ACK,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import httpx
 import trio
@@ -45,7 +46,10 @@ import trio
 from indexer.asgi import answer_lifespan, serve_asgi
 from indexer.collector import rare_collections
 from indexer.metrics import process_started_at, version
+from indexer.router import bulk
 from indexer.router.appender import READ_BYTES, append_bytes
+from indexer.router.bulk import DEFAULT_MAX_BULK_BYTES
+from indexer.router.bulk_forward import MARGIN_S, PARENT_URL_ENV, Forwarded, forward_lines
 from indexer.router.documents import LineSplitter, routing_id, vbucket_of
 from indexer.router.pipe import MessageReader, PipeError
 from indexer.router.service import read_body
@@ -216,6 +220,7 @@ class ShardedOptions:
     rate: float | None = None
     http: tuple[str, int] | None = None
     env: dict[str, str] = field(default_factory=dict)  # for the shards (the token)
+    bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES  # of a POST /docs/_bulk body
 
 
 def shard_command(options: ShardedOptions, shard: Shard) -> list[str]:
@@ -549,9 +554,16 @@ class ShardsApi:
     /metrics` gives every shard's metrics with a `shard` label. Tokens are the shards' to check:
     the request's headers go with it."""
 
-    def __init__(self, layout: ShardLayout, shards: Sequence[Shard]) -> None:
+    def __init__(
+        self,
+        layout: ShardLayout,
+        shards: Sequence[Shard],
+        bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES,
+    ) -> None:
         self.layout = layout
         self.shards = shards
+        self.bulk_max_bytes = bulk_max_bytes
+        self.bulk_failed = 0
         self.client = httpx.AsyncClient(timeout=PROXY_TIMEOUT_S)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
         self.started_at = process_started_at()
@@ -580,6 +592,8 @@ class ShardsApi:
             return _json(200, await self.stats())
         if path == "/metrics" and method == "GET":
             return await self.metrics()
+        if path == bulk.BULK_PATH and method == "POST":
+            return await self.bulk(scope, receive)
         if path.startswith("/docs/") and len(path) > len("/docs/"):
             shard = self.shards[self.layout.shard_of(path[len("/docs/") :])]
         elif path.startswith("/failover/"):
@@ -620,6 +634,63 @@ class ShardsApi:
         ]
         return answer.status_code, kept, answer.content
 
+    async def bulk(
+        self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """POST /docs/_bulk: each shard gets its lines as a bulk of its own, all at once; the
+        answers merge back in line order. A line without an id is answered here."""
+        started = time.monotonic()
+        query = scope.get("query_string", b"")
+        try:
+            request = bulk.parse_query(parse_qs(query.decode("latin-1")))
+        except bulk.BulkError as exc:
+            return _json(400, {"error": str(exc)})
+        body, error = await read_body(receive, self.bulk_max_bytes, "bulk")
+        if error is not None:
+            return _json(*error)
+        items: list[dict[str, Any]] = []
+        parts: list[list[tuple[int, bytes]]] = [[] for _ in self.shards]
+        owners = self.layout.owners()
+        for number, raw in bulk.split_lines(body):
+            vb = bulk.owner_of(raw, self.layout.num_vbuckets)
+            if vb is None:  # parsed in full for the reason
+                (line,) = bulk.parse_bulk([(number, raw)])
+                items.append(bulk.error_item(line, line.error or "no document id"))
+                self.bulk_failed += 1
+            else:
+                parts[owners[vb]].append((number, raw))
+        answers: list[Forwarded] = []
+
+        async def one(shard: Shard, lines: list[tuple[int, bytes]]) -> None:
+            answers.append(
+                await forward_lines(
+                    self.client,
+                    shard.url,
+                    shard.name,
+                    lines,
+                    query,
+                    scope["headers"],
+                    request.timeout_s + MARGIN_S,
+                )
+            )
+
+        async with trio.open_nursery() as nursery:
+            for shard, lines in zip(self.shards, parts, strict=True):
+                if lines:
+                    nursery.start_soon(one, shard, lines)
+        refused = [a for a in answers if a.status == 401]
+        if refused:
+            return _json(401, {"error": refused[0].error},
+                         [(b"www-authenticate", b'Bearer realm="indexer-router"')])  # fmt: skip
+        for forwarded in answers:
+            items.extend(forwarded.items)
+        merged = bulk.answer(items, request.wait, time.monotonic() - started)
+        late = [a.error for a in answers if a.status == 504]
+        if late:
+            merged["error"] = "; ".join(late)
+            return _json(504, merged)
+        return _json(200, merged)
+
     async def _gather(self, path: str) -> list[httpx.Response | None]:
         answers: list[httpx.Response | None] = [None] * len(self.shards)
 
@@ -643,9 +714,13 @@ class ShardsApi:
             "source_id": self.layout.identity,
             "vbuckets": None,
         }
-        for key in ("foreign_documents", "http_refused", "mutation_manager", "expiry", "source"):
+        keys = ("foreign_documents", "http_refused", "mutation_manager", "expiry", "source", "bulk")
+        for key in keys:
             merged[key] = _sum([s[key] for s in each if s is not None])
         merged["source"]["vbuckets"] = self.layout.num_vbuckets
+        if merged["bulk"] is not None:  # lines without an id, answered here
+            merged["bulk"]["failed"] += self.bulk_failed
+            merged["bulk"]["lines"] += self.bulk_failed
         nodes: dict[str, list[Any]] = {}
         for s in each:
             for name, progress in (s or {}).get("nodes", {}).items():
@@ -656,6 +731,7 @@ class ShardsApi:
                 "shard": shard.index,
                 "vbuckets": describe_vbuckets(tuple(range(shard.first, shard.last + 1))),
                 "pid": shard.pid,
+                "url": shard.url,  # its own API: a client may send a shard its lines directly
                 "running": shard.url is not None,
                 "starts": shard.starts,
                 "unacknowledged": len(shard.window),
@@ -741,6 +817,10 @@ async def run_sharded_router(options: ShardedOptions) -> None:
                     return
 
             nursery.start_soon(wait_signal)
+            if options.http is not None:  # first: a shard sends it bulk lines of other shards
+                api = ShardsApi(layout, shards, options.bulk_max_bytes)
+                url = await nursery.start(serve_asgi, options.http, api, "indexer.router.http")
+                options.env[PARENT_URL_ENV] = url
             for shard in shards:
                 nursery.start_soon(run_shard, options, shard, lambda: stopping)
             for shard in shards:
@@ -750,11 +830,9 @@ async def run_sharded_router(options: ShardedOptions) -> None:
                     shard.name, layout.count, shard.vbuckets, shard.pid, shard.url,
                 )  # fmt: skip
             if options.http is not None:
-                api = ShardsApi(layout, shards)
-                url = await nursery.start(serve_asgi, options.http, api, "indexer.router.http")
                 log.info(
-                    "router API on %s (PUT and DELETE /docs/ID, POST /failover/VB, GET /stats, "
-                    "GET /metrics)",
+                    "router API on %s (PUT and DELETE /docs/ID, POST /docs/_bulk, "
+                    "POST /failover/VB, GET /stats, GET /metrics)",
                     url,
                 )
             router = LineRouter(layout, shards)
