@@ -96,7 +96,8 @@ class IndexerDataSource(DataSource):
     def reader(self, schema: StructType) -> IndexerReader:
         options = SourceOptions.parse(self.options, self.default_pushdown)
         parts = options.partitions or self.default_partitions or DEFAULT_PARTITIONS
-        return IndexerReader(options, schema, _keys(options), parts)
+        reader = PushdownIndexerReader if options.pushdown else IndexerReader
+        return reader(options, schema, _keys(options), parts)
 
 
 def _keys(options: SourceOptions) -> list[str]:
@@ -123,22 +124,6 @@ class IndexerReader(DataSourceReader):
         self.parts = partitions
         self.pushed: list[tuple[str, Any]] = []
         self.leading = next((i for i, c in enumerate(self.columns) if c.position == 0), None)
-
-    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
-        """Take the comparisons on the leading key column; hand every other filter back."""
-        if not self.options.pushdown:
-            yield from filters
-            return
-        for f in filters:
-            taken = None
-            if self.leading is not None:
-                column = self.columns[self.leading]
-                if getattr(f, "attribute", None) == (column.name,):
-                    taken = accepts(column, f)
-            if taken is None:
-                yield f
-            else:
-                self.pushed.append(taken)
 
     def key_range(self) -> KeyRange | None:
         """What the pushed filters leave of the key space (None: nothing)."""
@@ -368,3 +353,22 @@ class IndexerReader(DataSourceReader):
                 values = [convert(kind, r.key[j]) for r in rows]
             arrays.append(pa.array(values, type=column.arrow))
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
+
+
+
+class PushdownIndexerReader(IndexerReader):
+    """The reader with filter pushdown. Spark refuses a reader that defines `pushFilters` unless
+    spark.sql.python.filterPushdown.enabled is set, so only a read with pushdown on gets it."""
+
+    def pushFilters(self, filters: list[Filter]) -> Iterable[Filter]:
+        """Take the comparisons on the leading key column; hand every other filter back."""
+        for f in filters:
+            taken = None
+            if self.leading is not None:
+                column = self.columns[self.leading]
+                if getattr(f, "attribute", None) == (column.name,):
+                    taken = accepts(column, f)
+            if taken is None:
+                yield f
+            else:
+                self.pushed.append(taken)

@@ -387,6 +387,24 @@ def test_the_pushdown_default_follows_the_running_spark_and_the_option_wins(
         register(spark)
 
 
+def test_a_session_without_the_pushdown_setting_reads_unless_pushdown_is_asked_for(
+    spark: SparkSession, node: Node
+) -> None:
+    """A plain SparkSession lacks spark.sql.python.filterPushdown.enabled: a read with pushdown
+    off works there, and only a read that asks for pushdown needs the setting."""
+    key = "spark.sql.python.filterPushdown.enabled"
+    url = node.daemon.url
+    want = len(model(node.documents, INDEXES["by_age"]))
+    spark.conf.set(key, "false")
+    try:
+        assert read(spark, url=url, index="by_age").filter("id > ''").count() == want
+        with pytest.raises(Exception, match="DATA_SOURCE_PUSHDOWN_DISABLED"):
+            read(spark, url=url, index="by_age", pushdown="true").filter("id > ''").count()
+    finally:
+        spark.conf.set(key, "true")
+    assert read(spark, url=url, index="by_age", pushdown="true").count() == want
+
+
 def test_offline_read_of_a_stopped_node_equals_the_online_read(
     spark: SparkSession, node: Node
 ) -> None:
