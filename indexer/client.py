@@ -32,7 +32,12 @@ MAX_RETRY_WAIT_S = 10.0  # the longest Retry-After a client honours before askin
 
 class ClientError(Exception):
     """A call to the daemon failed: it could not be reached, or it answered with an error.
-    The message is one line naming the daemon and the cause."""
+    The message is one line naming the daemon and the cause; `status` is the HTTP status of
+    the answer (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def bearer(token: str | None) -> dict[str, str]:
@@ -92,17 +97,20 @@ def request(
     *,
     params: Mapping[str, Any] | None = None,
     body: Any = None,
+    content: bytes | None = None,
+    content_type: str = JSON,
     accept: str = JSON,
     timeout: float = 120.0,
     access: Access | None = None,
 ) -> Any:
     """Send one request; the open response on 2xx, else ClientError naming the cause.
 
-    A 503 with Retry-After (starting, no snapshot yet, short of memory) is asked again until
-    `timeout` seconds have passed. `access` adds the bearer token and checks TLS with its CAs.
+    The body is `body` as JSON, or `content` as it is (of `content_type`). A 503 with
+    Retry-After (starting, no snapshot yet, short of memory) is asked again until `timeout`
+    seconds have passed. `access` adds the bearer token and checks TLS with its CAs.
     """
     query = ("?" + urllib.parse.urlencode(params)) if params else ""
-    data = json.dumps(body).encode() if body is not None else None
+    data = json.dumps(body).encode() if body is not None else content
     deadline = time.monotonic() + timeout
     access = access or Access()
     context = access.context()
@@ -112,7 +120,7 @@ def request(
         for name, value in access.headers().items():
             call.add_header(name, value)
         if data is not None:
-            call.add_header("Content-Type", JSON)
+            call.add_header("Content-Type", content_type)
         try:
             return urllib.request.urlopen(call, timeout=timeout, context=context)
         except urllib.error.HTTPError as exc:
@@ -123,7 +131,7 @@ def request(
                 continue
             message = error_text(raw, str(exc.reason))
             raise ClientError(
-                f"indexer at {url}: {method} {path}: HTTP {exc.code}: {message}"
+                f"indexer at {url}: {method} {path}: HTTP {exc.code}: {message}", exc.code
             ) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)

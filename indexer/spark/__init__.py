@@ -17,9 +17,10 @@ with `.option("token_file", FILE)` (or `token`) and `.option("tls_ca", PEM_FILE)
 
 One module per job: `options` (the options, read once), `pins` (the daemon's API: pins, keys,
 planning on every node), `offline` (a stopped node's store), `columns` (Spark types, value
-conversion, pushed filters), `source` (the classes Spark calls) and `sessions` (a SparkSession
-set up for the source, its registration, error messages). This package re-exports their public
-names.
+conversion, pushed filters), `source` (the classes Spark calls), `rows` (a DataFrame's rows as the
+router's input lines), `writer` (posting them to the routers' bulk input) and `sessions` (a
+SparkSession set up for the source, its registration, error messages). This package re-exports
+their public names.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from indexer.spark.pins import (
     release_cluster,
     share_partitions,
 )
+from indexer.spark.rows import BadRow, RowLine, RowShape, lines_of
 from indexer.spark.sessions import (
     PYTHON_SCAN_BUILDER,
     configure,
@@ -79,7 +81,20 @@ from indexer.spark.sessions import (
     register,
     session,
 )
-from indexer.spark.source import IndexerDataSource, IndexerPartition, IndexerReader
+from indexer.spark.source import (
+    IndexerDataSource,
+    IndexerPartition,
+    IndexerReader,
+    PushdownIndexerReader,
+)
+from indexer.spark.writer import (
+    WRITE_OPTIONS,
+    IndexerCommit,
+    IndexerWriter,
+    Owners,
+    WriterOptions,
+    find_owners,
+)
 
 __all__ = [
     "BATCH_ROWS",
@@ -94,17 +109,26 @@ __all__ = [
     "PLANNING_LOCK_WAIT_S",
     "PYTHON_SCAN_BUILDER",
     "SNAPSHOTS",
+    "WRITE_OPTIONS",
     "Access",
+    "BadRow",
     "ClusterPin",
     "Column",
+    "IndexerCommit",
     "IndexerDataSource",
     "IndexerPartition",
     "IndexerReader",
     "IndexerSourceError",
+    "IndexerWriter",
+    "Owners",
     "PersistedSnapshot",
     "Pin",
+    "PushdownIndexerReader",
+    "RowLine",
+    "RowShape",
     "SourceOptions",
     "Target",
+    "WriterOptions",
     "accepts",
     "apply_filters",
     "cluster_targets",
@@ -113,9 +137,11 @@ __all__ = [
     "default_schema",
     "error_message",
     "filter_range",
+    "find_owners",
     "index_keys",
     "index_keys_everywhere",
     "intersect",
+    "lines_of",
     "load_cluster",
     "offline_snapshot",
     "pin_cluster",

@@ -31,7 +31,7 @@ class IndexerSourceError(Exception):
     """The source cannot read: bad options, the daemon said no, the store is held. One line."""
 
 
-def _access(opts: Mapping[str, str]) -> Access:
+def parse_access(opts: Mapping[str, str]) -> Access:
     """The token (`token`, or the first line of `token_file`) and TLS (`tls_ca`, `tls`)."""
     token = opts.get("token") or None
     token_file = opts.get("token_file") or None
@@ -113,7 +113,7 @@ class SourceOptions:
             )
         if pin is not None and at_plus is not None:
             raise IndexerSourceError("give pin or at_plus, not both")
-        access = _access(opts)
+        access = parse_access(opts)
         if path is not None and access != Access():
             raise IndexerSourceError(
                 "offline reads (path) open the store itself: token, token_file, tls and tls_ca "

@@ -48,6 +48,8 @@ from indexer.spark.pins import (
     index_keys_everywhere,
     share_partitions,
 )
+from indexer.spark.rows import BadRow, RowShape
+from indexer.spark.writer import IndexerWriter, WriterOptions, find_owners
 
 
 class IndexerPartition(InputPartition):
@@ -98,6 +100,24 @@ class IndexerDataSource(DataSource):
         parts = options.partitions or self.default_partitions or DEFAULT_PARTITIONS
         reader = PushdownIndexerReader if options.pushdown else IndexerReader
         return reader(options, schema, _keys(options), parts)
+
+    def writer(self, schema: StructType, overwrite: bool) -> IndexerWriter:
+        """`df.write.format("indexer")`: options router, id, delete, doc, wait, on_error, nulls,
+        batch_rows, batch_bytes, timeout, and token, token_file, tls, tls_ca (docs/spark.md)."""
+        if overwrite:
+            raise IndexerSourceError(
+                'the indexer writer adds and replaces documents: use .mode("append") (overwrite '
+                "would mean deleting every document first)"
+            )
+        options = WriterOptions.parse(self.options)
+        try:
+            shape = RowShape.of(
+                schema, options.id_column, options.delete_column, options.doc_column,
+                options.keep_nulls,
+            )  # fmt: skip
+        except BadRow as exc:
+            raise IndexerSourceError(str(exc)) from None
+        return IndexerWriter(options, find_owners(options), shape)
 
 
 def _keys(options: SourceOptions) -> list[str]:
@@ -353,7 +373,6 @@ class IndexerReader(DataSourceReader):
                 values = [convert(kind, r.key[j]) for r in rows]
             arrays.append(pa.array(values, type=column.arrow))
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
-
 
 
 class PushdownIndexerReader(IndexerReader):

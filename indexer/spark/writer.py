@@ -1,0 +1,339 @@
+"""The Spark writer: `df.write.format("indexer").option("router", URL).option("id", COLUMN)
+.mode("append").save()` loads a DataFrame through the routers' `POST /docs/_bulk`.
+
+Planning (the driver) checks the options and asks every router which vbuckets it owns: a peer
+router (`--vbucket-range`) its range, a sharded router each shard's (and the shard's own address
+when it is reachable the way the router is). Every task then turns its rows into input lines
+(`rows.py`), groups them by the router that owns each document's vbucket, and posts them in
+bounded bulks. A line the router refuses fails the task with that row's id and reason, or with
+`on_error=skip` is counted and left out. Lines a router could not take for now (a shard
+starting again, a router restarting) are sent again until `timeout`. A retried task sends its
+rows again, which is harmless: the latest version of a document wins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.parse
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
+
+from indexer.client import NDJSON, Access, ClientError, call_json, request
+from indexer.spark.options import IndexerSourceError, parse_access
+from indexer.spark.rows import RowShape, lines_of
+
+log = logging.getLogger("indexer.spark")
+
+WRITE_OPTIONS = (
+    "router id delete doc wait on_error nulls batch_rows batch_bytes timeout token token_file "
+    "tls tls_ca"
+)
+WAITS = ("persisted", "visible")
+DEFAULT_BATCH_ROWS = 5_000
+DEFAULT_BATCH_BYTES = 4 << 20  # under the router's default bulk limit of 16 MiB
+DEFAULT_WRITE_TIMEOUT_S = 120.0
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 5.0
+RETRY_STATUSES = (502, 503)  # and no answer at all
+SKIPPED_SAMPLE = 5  # skipped rows whose reason a task keeps for the log
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """The writer's options, checked once on the driver."""
+
+    routers: tuple[str, ...]
+    id_column: str
+    delete_column: str | None = None
+    doc_column: str | None = None
+    wait: str = "persisted"
+    skip_errors: bool = False
+    keep_nulls: bool = False
+    batch_rows: int = DEFAULT_BATCH_ROWS
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    timeout: float = DEFAULT_WRITE_TIMEOUT_S
+    access: Access = field(default_factory=Access)
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> WriterOptions:
+        opts = {k.lower(): v for k, v in options.items()}
+        unknown = sorted(set(opts) - set(WRITE_OPTIONS.split()))
+        if unknown:
+            raise IndexerSourceError(
+                f"unknown write option {unknown[0]!r}; known: {', '.join(WRITE_OPTIONS.split())}"
+            )
+        routers = tuple(
+            u.strip().rstrip("/") for u in opts.get("router", "").split(",") if u.strip()
+        )
+        if not routers:
+            raise IndexerSourceError(
+                'give the routers to write through: .option("router", "http://HOST:PORT[,...]")'
+            )
+        for url in routers:
+            if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+                raise IndexerSourceError(f"router: {url!r} is not an http:// or https:// URL")
+        if not opts.get("id"):
+            raise IndexerSourceError('give the id column: .option("id", "COLUMN")')
+        wait = opts.get("wait", "persisted")
+        if wait not in WAITS:
+            raise IndexerSourceError(f'wait: "persisted" or "visible", not {wait!r}')
+        on_error = opts.get("on_error", "fail")
+        if on_error not in ("fail", "skip"):
+            raise IndexerSourceError(f'on_error: "fail" or "skip", not {on_error!r}')
+        nulls = opts.get("nulls", "omit")
+        if nulls not in ("omit", "keep"):
+            raise IndexerSourceError(f'nulls: "omit" or "keep", not {nulls!r}')
+        return cls(
+            routers=routers,
+            id_column=opts["id"],
+            delete_column=opts.get("delete") or None,
+            doc_column=opts.get("doc") or None,
+            wait=wait,
+            skip_errors=on_error == "skip",
+            keep_nulls=nulls == "keep",
+            batch_rows=_whole(opts, "batch_rows", DEFAULT_BATCH_ROWS, 1, 1_000_000),
+            batch_bytes=_whole(opts, "batch_bytes", DEFAULT_BATCH_BYTES, 1 << 10, 1 << 30),
+            timeout=_seconds(opts, "timeout", DEFAULT_WRITE_TIMEOUT_S),
+            access=parse_access(opts),
+        )
+
+
+def _whole(opts: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    if name not in opts:
+        return default
+    try:
+        value = int(opts[name])
+    except ValueError:
+        raise IndexerSourceError(f"{name}: a whole number, not {opts[name]!r}") from None
+    if not low <= value <= high:
+        raise IndexerSourceError(f"{name}: from {low} to {high}, not {value}")
+    return value
+
+
+def _seconds(opts: Mapping[str, str], name: str, default: float) -> float:
+    if name not in opts:
+        return default
+    try:
+        value = float(opts[name])
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise IndexerSourceError(f"{name}: a number of seconds above 0, not {opts[name]!r}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Which router owns which vbucket
+
+
+@dataclass(frozen=True)
+class Owners:
+    """Where each vbucket's lines go: the addresses that own it (several: spread by task)."""
+
+    num_vbuckets: int
+    urls: tuple[str, ...]
+    owners: tuple[tuple[int, ...], ...]  # per vbucket, indexes into `urls`
+
+    def target(self, docid: str, task: int) -> str:
+        choices = self.owners[zlib.crc32(docid.encode()) % self.num_vbuckets]
+        return self.urls[choices[task % len(choices)]]
+
+
+def _ranges(text: str | None, num_vbuckets: int) -> list[int]:
+    """The vbuckets of a router's `/stats` description ("vbuckets 0-511,768"; None: all)."""
+    if text is None:
+        return list(range(num_vbuckets))
+    out: list[int] = []
+    for part in text.removeprefix("vbuckets ").split(","):
+        first, _, last = part.partition("-")
+        out.extend(range(int(first), int(last or first) + 1))
+    return out
+
+
+def _same_host(a: str, b: str) -> bool:
+    return urllib.parse.urlsplit(a).hostname == urllib.parse.urlsplit(b).hostname
+
+
+def find_owners(options: WriterOptions) -> Owners:
+    """Ask every router (its `GET /stats`) which vbuckets it owns."""
+    urls: list[str] = []
+    owned: dict[int, list[int]] = {}
+    num_vbuckets = None
+    for router in options.routers:
+        try:
+            stats = call_json(
+                "GET", router, "/stats", access=options.access, timeout=options.timeout
+            )
+        except ClientError as exc:
+            raise IndexerSourceError(f"router: {exc}") from None
+        count = int(stats["source"]["vbuckets"])
+        if num_vbuckets not in (None, count):
+            raise IndexerSourceError(
+                f"router: {router} has {count} vbuckets, the others {num_vbuckets}: they are "
+                "not routers of one source"
+            )
+        num_vbuckets = count
+        places: list[tuple[str, list[int]]] = []
+        for shard in stats.get("shards") or []:
+            # A shard's own address when it is reached the way its parent is; else the parent.
+            url = shard.get("url")
+            target = url if url and _same_host(url, router) else router
+            places.append((target, _ranges(shard["vbuckets"], count)))
+        if not places:
+            places.append((router, _ranges(stats.get("vbuckets"), count)))
+        for url, vbuckets in places:
+            if url not in urls:
+                urls.append(url)
+            for vb in vbuckets:
+                owned.setdefault(vb, []).append(urls.index(url))
+    assert num_vbuckets is not None
+    orphans = [vb for vb in range(num_vbuckets) if vb not in owned]
+    if orphans:
+        raise IndexerSourceError(
+            f"router: no router given owns {len(orphans)} vbuckets (the first: {orphans[0]}); "
+            "give every peer router of the source"
+        )
+    owners = tuple(tuple(dict.fromkeys(owned[vb])) for vb in range(num_vbuckets))
+    return Owners(num_vbuckets, tuple(urls), owners)
+
+
+# --------------------------------------------------------------------------------------------
+# The writer
+
+
+@dataclass
+class IndexerCommit(WriterCommitMessage):
+    """What one task wrote."""
+
+    documents: int = 0
+    deletes: int = 0
+    skipped: int = 0
+    requests: int = 0
+    skipped_sample: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    lines: list[bytes] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    size: int = 0
+
+
+class IndexerWriter(DataSourceArrowWriter):
+    """Posts each task's rows to the routers in bounded bulks (see the module doc)."""
+
+    def __init__(self, options: WriterOptions, owners: Owners, shape: RowShape) -> None:
+        self.options = options
+        self.owners = owners
+        self.shape = shape
+
+    def write(self, iterator: Iterator[Any]) -> IndexerCommit:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        task = context.partitionId() if context is not None else 0
+        commit = IndexerCommit()
+        pending: dict[str, _Pending] = {}
+        for batch in iterator:
+            for row in lines_of(self.shape, batch.to_pylist()):
+                if row.line is None:
+                    self._bad(commit, row.error)
+                    continue
+                url = self.owners.target(row.docid, task)
+                part = pending.setdefault(url, _Pending())
+                part.lines.append(row.line)
+                part.ids.append(row.docid)
+                part.size += len(row.line)
+                if (
+                    len(part.lines) >= self.options.batch_rows
+                    or part.size >= self.options.batch_bytes
+                ):
+                    self._post(url, pending.pop(url), commit)
+        for url, part in pending.items():
+            self._post(url, part, commit)
+        if commit.skipped:
+            log.warning(
+                "indexer writer: task %d skipped %d bad rows (on_error=skip); the first: %s",
+                task, commit.skipped, "; ".join(commit.skipped_sample),
+            )  # fmt: skip
+        return commit
+
+    def _bad(self, commit: IndexerCommit, error: str) -> None:
+        if not self.options.skip_errors:
+            raise IndexerSourceError(f"{error} (on_error=skip leaves such rows out)")
+        commit.skipped += 1
+        if len(commit.skipped_sample) < SKIPPED_SAMPLE:
+            commit.skipped_sample.append(error)
+
+    def _post(self, url: str, part: _Pending, commit: IndexerCommit) -> None:
+        """Post the lines, and again those the router could not take for now, until timeout."""
+        params = {"wait": self.options.wait, "timeout": f"{self.options.timeout:g}"}
+        deadline = time.monotonic() + self.options.timeout
+        backoff = RETRY_MIN_S
+        lines, ids = part.lines, part.ids
+        while lines:
+            again: list[int] = []
+            try:
+                with request(
+                    "POST", url, "/docs/_bulk", params=params, content=b"".join(lines),
+                    content_type=NDJSON, timeout=self.options.timeout + 30,
+                    access=self.options.access,
+                ) as response:  # fmt: skip
+                    answer = json.loads(response.read())
+            except ClientError as exc:
+                if exc.status is not None and exc.status not in RETRY_STATUSES:
+                    raise IndexerSourceError(f"writing to {url}: {exc}") from None
+                if time.monotonic() + backoff > deadline:
+                    raise IndexerSourceError(
+                        f"writing to {url}: {exc}; gave up after {self.options.timeout:g} s"
+                    ) from None
+                again = list(range(len(lines)))
+            else:
+                commit.requests += 1
+                for item in answer["items"]:
+                    i = item["line"] - 1
+                    if "error" not in item:
+                        commit.documents += 1
+                        commit.deletes += lines[i].endswith(b'"deleted":true}\n')
+                    elif item.get("retry"):
+                        again.append(i)
+                    else:
+                        self._bad(commit, f"row with id {ids[i]!r}: {item['error']}")
+                if again and time.monotonic() + backoff > deadline:
+                    raise IndexerSourceError(
+                        f"writing to {url}: {len(again)} rows not taken within "
+                        f"{self.options.timeout:g} s: {answer['items'][again[0]]['error']}"
+                    )
+            if again:
+                time.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_S)
+            lines = [lines[i] for i in again]
+            ids = [ids[i] for i in again]
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        done = [m for m in messages if isinstance(m, IndexerCommit)]
+        skipped = sum(m.skipped for m in done)
+        log.info(
+            "indexer writer: %d documents (%d deletes) in %d bulk requests, %d rows skipped",
+            sum(m.documents for m in done), sum(m.deletes for m in done),
+            sum(m.requests for m in done), skipped,
+        )  # fmt: skip
+        if skipped:
+            sample = [s for m in done for s in m.skipped_sample][:SKIPPED_SAMPLE]
+            log.warning(
+                "indexer writer: skipped %d bad rows; the first: %s", skipped, "; ".join(sample)
+            )
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        written = sum(m.documents for m in messages if isinstance(m, IndexerCommit))
+        log.warning(
+            "indexer writer: the job failed after the finished tasks wrote %d documents; running "
+            "it again sends them again, which is harmless (the latest version wins)",
+            written,
+        )
