@@ -127,12 +127,12 @@ class SourceOptions:
             url=url.rstrip("/") if url else None,
             path=path,
             cluster_map=cluster_map,
-            partitions=_whole(opts, "partitions", 1, 10_000),
+            partitions=whole_option(opts, "partitions", 1, 10_000),
             snapshot=snapshot,
             at_plus=at_plus,
             pin=pin,
-            lease_s=_positive(opts, "lease_s", DEFAULT_LEASE_S),
-            timeout=_positive(opts, "timeout", DEFAULT_TIMEOUT_S),
+            lease_s=seconds_option(opts, "lease_s", DEFAULT_LEASE_S),
+            timeout=seconds_option(opts, "timeout", DEFAULT_TIMEOUT_S),
             pushdown=pushdown == "true",
             access=access,
         )
@@ -152,7 +152,7 @@ def _at_plus(text: str) -> dict[str, int]:
     return {str(k): int(v) for k, v in value.items()}
 
 
-def _whole(opts: Mapping[str, str], name: str, low: int, high: int) -> int | None:
+def whole_option(opts: Mapping[str, str], name: str, low: int, high: int) -> int | None:
     if name not in opts:
         return None
     try:
@@ -164,7 +164,7 @@ def _whole(opts: Mapping[str, str], name: str, low: int, high: int) -> int | Non
     return value
 
 
-def _positive(opts: Mapping[str, str], name: str, default: float) -> float:
+def seconds_option(opts: Mapping[str, str], name: str, default: float) -> float:
     if name not in opts:
         return default
     try:

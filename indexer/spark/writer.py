@@ -25,7 +25,12 @@ from typing import Any
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 
 from indexer.client import NDJSON, Access, ClientError, call_json, request
-from indexer.spark.options import IndexerSourceError, parse_access
+from indexer.spark.options import (
+    IndexerSourceError,
+    parse_access,
+    seconds_option,
+    whole_option,
+)
 from indexer.spark.rows import RowShape, lines_of
 
 log = logging.getLogger("indexer.spark")
@@ -97,35 +102,11 @@ class WriterOptions:
             wait=wait,
             skip_errors=on_error == "skip",
             keep_nulls=nulls == "keep",
-            batch_rows=_whole(opts, "batch_rows", DEFAULT_BATCH_ROWS, 1, 1_000_000),
-            batch_bytes=_whole(opts, "batch_bytes", DEFAULT_BATCH_BYTES, 1 << 10, 1 << 30),
-            timeout=_seconds(opts, "timeout", DEFAULT_WRITE_TIMEOUT_S),
+            batch_rows=whole_option(opts, "batch_rows", 1, 1_000_000) or DEFAULT_BATCH_ROWS,
+            batch_bytes=whole_option(opts, "batch_bytes", 1 << 10, 1 << 30) or DEFAULT_BATCH_BYTES,
+            timeout=seconds_option(opts, "timeout", DEFAULT_WRITE_TIMEOUT_S),
             access=parse_access(opts),
         )
-
-
-def _whole(opts: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
-    if name not in opts:
-        return default
-    try:
-        value = int(opts[name])
-    except ValueError:
-        raise IndexerSourceError(f"{name}: a whole number, not {opts[name]!r}") from None
-    if not low <= value <= high:
-        raise IndexerSourceError(f"{name}: from {low} to {high}, not {value}")
-    return value
-
-
-def _seconds(opts: Mapping[str, str], name: str, default: float) -> float:
-    if name not in opts:
-        return default
-    try:
-        value = float(opts[name])
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise IndexerSourceError(f"{name}: a number of seconds above 0, not {opts[name]!r}")
-    return value
 
 
 # --------------------------------------------------------------------------------------------
