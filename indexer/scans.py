@@ -144,15 +144,19 @@ def _entries(
     return entries if limit is None else islice(entries, limit)
 
 
-def splits(store: IndexStore, index: StoredIndex, snapshot: Any, parts: int) -> list[KeyRange]:
+def splits(
+    store: IndexStore, index: StoredIndex, snapshot: Any, parts: int, total: int | None = None
+) -> list[KeyRange]:
     """`parts` ranges covering the index with about as many entries each.
 
-    Two walks over the keys, the first to count them, holding only the cut points in memory.
+    A walk over the keys up to the last cut point, holding only the cut points in memory; a
+    first walk counts them unless `total` (the snapshot's entry count) is given.
     """
     prefix = index.main_prefix
     cut = len(prefix)
     source = snapshot if snapshot is not None else store.db
-    total = sum(1 for _ in source.iterator(prefix=prefix, include_value=False))
+    if total is None:
+        total = sum(1 for _ in source.iterator(prefix=prefix, include_value=False))
     if parts <= 1 or total < parts:
         return [KeyRange()]
     step = total / parts

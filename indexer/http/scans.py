@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +47,14 @@ from indexer.snapshots import RolledBackError, StabilitySnapshot
 from indexer.storage import StoredIndex
 
 log = logging.getLogger("indexer.http")
+
+
+def serving_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class ScanRoutes(AdminRoutes):
@@ -143,7 +152,10 @@ class ScanRoutes(AdminRoutes):
             raise ApiError(400, 'snapshot: "persisted" or "stable" (or give "at_plus")')
         pin = snaps.pin(snap, lease)
         log.info("snapshot %d pinned as %s for %g s", snap.number, pin.pin_id, lease)
-        await _json(send, 200, {"id": pin.pin_id, "lease_s": lease, **self._describe(snap)})
+        answer = {"id": pin.pin_id, "lease_s": lease, **self._describe(snap)}
+        # The cores this process may run on: a reader sizes its parallel scans by them.
+        answer["scan_cores"] = serving_cores()
+        await _json(send, 200, answer)
 
     def _range(self, index: StoredIndex, query: dict[str, str]) -> KeyRange:
         nkeys = len(index.definition.keys)
@@ -310,8 +322,9 @@ class ScanRoutes(AdminRoutes):
         parts = int(_number(query.get("parts", "4"), "parts", 1, 10_000))
         snap = (await self._read_snapshot(query)).acquire()
         try:
+            total = snap.entry_counts.get(index.definition.name)  # None: walk to count
             ranges = await trio.to_thread.run_sync(
-                splits, self.view.store, index, snap.store_snapshot, parts
+                splits, self.view.store, index, snap.store_snapshot, parts, total
             )
         finally:
             snap.release()

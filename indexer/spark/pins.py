@@ -35,6 +35,7 @@ class Pin:
     lease_s: float
     url: str
     access: Access = dataclasses.field(default_factory=Access, repr=False)  # to release it
+    cores: int | None = None  # the cores the daemon's process may run on (its scans share them)
 
 
 def _http(method: str, url: str, path: str, **kwargs: Any) -> Any:
@@ -77,6 +78,7 @@ def pin_snapshot(
         float(answer["lease_s"]),
         url,
         access,
+        int(answer["scan_cores"]) if "scan_cores" in answer else None,
     )
 
 

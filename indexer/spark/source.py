@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
@@ -35,6 +36,7 @@ from indexer.spark.offline import (
 )
 from indexer.spark.options import DEFAULT_PARTITIONS, FORMAT, IndexerSourceError, SourceOptions
 from indexer.spark.pins import (
+    Pin,
     Target,
     _given_pins,
     _http,
@@ -120,6 +122,18 @@ class IndexerDataSource(DataSource):
         return IndexerWriter(options, find_owners(options), shape)
 
 
+def partitions_for(pin: Pin, most: int) -> int:
+    """Partitions of one node by default: as many as the cores its process scans with, half
+    as many when it is on this machine (Spark's tasks then run on the same cores), from 1 to
+    `most` (Spark's parallelism). On 2 shared cores one partition read 0.9-1.0M rows/s and two
+    0.73-0.82M (docs/performance.md)."""
+    cores = pin.cores or 1
+    host = urllib.parse.urlsplit(pin.url).hostname or ""
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        cores //= 2
+    return max(1, min(most, cores))
+
+
 def _keys(options: SourceOptions) -> list[str]:
     if options.cluster_map is not None:
         return index_keys_everywhere(_targets(options), options.index, options.timeout)
@@ -189,7 +203,9 @@ class IndexerReader(DataSourceReader):
             )
             pin_ids = [pin.id for pin in made]
         try:
-            if len(targets) == 1:
+            if options.partitions is None and made and all(p.cores for p in made):
+                shares = [partitions_for(p, self.parts) for p in made]
+            elif len(targets) == 1:
                 shares = [self.parts]
             else:
                 counts = _results(_on_each(targets, lambda i, t: self._count(t, pin_ids[i])))

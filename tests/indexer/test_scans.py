@@ -39,6 +39,8 @@ def test_splits_cover_the_index_once_in_about_equal_parts(tmp_path: Path) -> Non
         for parts in (1, 2, 3, 7):
             ranges = splits(store, index, None, parts)
             assert len(ranges) == parts
+            # The snapshot's entry count in place of the counting walk: the same cuts.
+            assert splits(store, index, None, parts, len(everything)) == ranges
             pieces = [[r.docid for r in iterate(store, index, None, rng)] for rng in ranges]
             assert [d for piece in pieces for d in piece] == everything
             assert max(map(len, pieces)) - min(map(len, pieces)) <= 2

@@ -43,6 +43,7 @@ from indexer.spark import (
     IndexerDataSource,
     IndexerPartition,
     IndexerSourceError,
+    Pin,
     SourceOptions,
     accepts,
     apply_filters,
@@ -60,6 +61,7 @@ from indexer.spark import (
     session,
     share_partitions,
 )
+from indexer.spark.source import partitions_for
 from tests.e2e.conftest import (
     INDEXES,
     Daemon,
@@ -173,8 +175,16 @@ def test_dataframe_equals_the_ndjson_scan_and_the_model(spark: SparkSession, nod
         want = model(node.documents, paths)
         assert len(got) == len(want) > 1000, name
         assert got == scanned == want, name
-    # Without a partitions option: the session's default parallelism (local[2]).
-    assert read(spark, url=url, index="by_age").rdd.getNumPartitions() == 2
+    # Without a partitions option: the cores the daemon scans with, halved as it shares this
+    # machine with Spark's tasks, at most the session's parallelism (local[2]).
+    with pinned(url) as probe:
+        cores = probe.cores
+    assert cores is not None and cores >= 1
+    want_parts = max(1, min(2, cores // 2))
+    assert read(spark, url=url, index="by_age").rdd.getNumPartitions() == want_parts
+    with pinned(url) as given:  # a pin of the caller's: the session's parallelism
+        df = read(spark, url=url, index="by_age", pin=given.id)
+        assert df.rdd.getNumPartitions() == 2
 
 
 def test_a_user_schema_converts_values_and_those_that_do_not_fit_are_null(
@@ -716,3 +726,14 @@ def test_a_503_that_says_when_is_retried_and_other_errors_are_one_line() -> None
         )
     finally:
         server.shutdown()
+
+
+def test_default_partitions_follow_the_cores_that_serve_them() -> None:
+    def pin(url: str, cores: int | None) -> Pin:
+        return Pin("p1", 1, 1, 60.0, url, cores=cores)
+
+    assert partitions_for(pin("http://10.0.0.5:9102", 8), 16) == 8  # a node of its own
+    assert partitions_for(pin("http://10.0.0.5:9102", 8), 4) == 4  # at most the parallelism
+    assert partitions_for(pin("http://127.0.0.1:9102", 8), 16) == 4  # shared with Spark
+    assert partitions_for(pin("http://localhost:9102", 1), 16) == 1
+    assert partitions_for(pin("http://10.0.0.5:9102", None), 16) == 1
