@@ -220,6 +220,7 @@ class Daemon:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 indexer_command("serve", "--config", str(self.config), *self.args),
+                stdout=subprocess.DEVNULL,  # it logs to stderr; a caller's pipe is not held open
                 stderr=log,
                 stdin=subprocess.DEVNULL,
             )
@@ -314,7 +315,10 @@ class Router:
         self.started = time.time()
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                indexer_command("router", *args), stderr=log, stdin=subprocess.DEVNULL
+                indexer_command("router", *args),
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
             )
         self.process = psutil.Process(self.proc.pid)
         self.url = ""  # its API, once wait_url() has read it from the log

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from indexer.router.documents import Document, routing_id, vbucket_of
-from indexer.router.lines import parse_lines
+from indexer.router.documents import Document, DocumentError, routing_id, vbucket_of
+from indexer.router.lines import parse_numbered
 
 BULK_PATH = "/docs/_bulk"
 WAITS = ("persisted", "visible")
@@ -32,10 +32,12 @@ class BulkLine:
 
 @dataclass(frozen=True, slots=True)
 class BulkRequest:
-    """The query of a bulk request: when to answer, and for how long to wait for it."""
+    """The query of a bulk request: when to answer, for how long to wait for it, and which
+    lines' items the answer lists ("all", or "errors" only: a loader needs no more)."""
 
     wait: str = "persisted"
     timeout_s: float = 30.0
+    items: str = "all"
 
 
 class BulkError(ValueError):
@@ -62,10 +64,11 @@ class BulkStatistics:
 
 
 def parse_query(query: dict[str, list[str]]) -> BulkRequest:
-    """`wait=persisted|visible` and `timeout=SECONDS`; anything else is a BulkError."""
+    """`wait=persisted|visible`, `timeout=SECONDS` and `items=all|errors`; anything else is a
+    BulkError."""
     for name, values in query.items():
-        if name not in ("wait", "timeout"):
-            raise BulkError(f"unknown parameter {name!r}: _bulk takes wait and timeout")
+        if name not in ("wait", "timeout", "items"):
+            raise BulkError(f"unknown parameter {name!r}: _bulk takes wait, timeout and items")
         if len(values) != 1:
             raise BulkError(f"{name} given {len(values)} times")
     wait = query.get("wait", ["persisted"])[0]
@@ -78,7 +81,10 @@ def parse_query(query: dict[str, list[str]]) -> BulkRequest:
         raise BulkError(f"timeout must be a number of seconds, not {text!r}") from None
     if not 0 < timeout <= 3600:
         raise BulkError("timeout must be above 0 and at most 3600 seconds")
-    return BulkRequest(wait, timeout)
+    items = query.get("items", ["all"])[0]
+    if items not in ("all", "errors"):
+        raise BulkError(f"items must be all or errors, not {items!r}")
+    return BulkRequest(wait, timeout, items)
 
 
 def split_lines(body: bytes) -> list[tuple[int, bytes]]:
@@ -90,11 +96,12 @@ def parse_bulk(lines: Iterable[tuple[int, bytes]]) -> list[BulkLine]:
     """Each numbered line parsed as the JSONL input parses it (its `_exp` checked too)."""
     out = []
     for number, raw in lines:
-        documents, errors = parse_lines([(number, raw)], "line")
-        if documents:
-            out.append(BulkLine(number, raw, documents[0], None))
+        try:
+            document = parse_numbered(number, raw, "line")
+        except DocumentError as exc:
+            out.append(BulkLine(number, raw, None, str(exc)))
         else:
-            out.append(BulkLine(number, raw, None, errors[0] if errors else "a blank line"))
+            out.append(BulkLine(number, raw, document, None if document else "a blank line"))
     return out
 
 
@@ -149,27 +156,28 @@ def error_item(line: BulkLine, error: str) -> dict[str, Any]:
     return item
 
 
-def at_plus_of(items: Iterable[dict[str, Any]]) -> dict[str, int]:
-    """The at_plus vector of the appended items: the highest seqno of each vbucket."""
-    vector: dict[int, int] = {}
-    for item in items:
-        if "seqno" in item:
-            vb = item["vbucket"]
-            vector[vb] = max(vector.get(vb, 0), item["seqno"])
-    return {str(vb): vector[vb] for vb in sorted(vector)}
+def raise_to(vector: dict[int, int], positions: Iterable[tuple[Any, int]]) -> None:
+    """Raise an at_plus vector to these (vbucket, seqno) positions."""
+    for vb, seqno in positions:
+        vb = int(vb)
+        if seqno > vector.get(vb, 0):
+            vector[vb] = seqno
 
 
-def answer(items: list[dict[str, Any]], wait: str, took_s: float) -> dict[str, Any]:
-    """The bulk answer: every line's result in line order, counts and the at_plus vector."""
+def answer(
+    items: list[dict[str, Any]], appended: int, at_plus: dict[int, int], wait: str, took_s: float
+) -> dict[str, Any]:
+    """The bulk answer: the items in line order (every line's, or the bad ones' only), the
+    counts and the at_plus vector (the highest seqno appended per vbucket)."""
     items.sort(key=lambda item: item["line"])
     failed = sum(1 for item in items if "error" in item)
     return {
         "took_s": round(took_s, 4),
         "wait": wait,
         "errors": failed > 0,
-        "appended": len(items) - failed,
+        "appended": appended,
         "failed": failed,
-        "at_plus": at_plus_of(items),
+        "at_plus": {str(vb): at_plus[vb] for vb in sorted(at_plus)},
         "items": items,
     }
 

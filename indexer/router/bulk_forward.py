@@ -24,6 +24,7 @@ class Forwarded:
 
     items: list[dict[str, Any]]
     at_plus: dict[str, int] = field(default_factory=dict)
+    appended: int = 0
     status: int = 200  # the owner's status: 401 and 504 are the whole request's
     error: str = ""  # the owner's error text when it gave one
 
@@ -58,11 +59,14 @@ async def forward_lines(
         return Forwarded(
             bulk.renumber(value["items"], numbers),
             value.get("at_plus", {}),
+            int(value.get("appended", 0)),
             answer.status_code,
             value.get("error", ""),
         )
     error = value.get("error") or f"HTTP {answer.status_code}"
     retry = answer.status_code in (429, 502, 503)
-    failed = Forwarded(bulk.unanswered(lines, f"{owner}: {error}", retry), {}, answer.status_code)
+    failed = Forwarded(
+        bulk.unanswered(lines, f"{owner}: {error}", retry), {}, 0, answer.status_code
+    )
     failed.error = error
     return failed

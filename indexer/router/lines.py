@@ -9,22 +9,32 @@ from indexer.router.documents import Document, DocumentError, parse_line
 from indexer.router.expiry import with_absolute_expiry
 
 
+def parse_numbered(number: int, raw: bytes, where: str) -> Document | None:
+    """The document of one numbered line (None: a blank line); DocumentError says why not."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DocumentError(f"{where}:{number}: not UTF-8") from None
+    if not text.strip():
+        return None
+    document = parse_line(text, f"{where}:{number}", raw.strip())
+    try:
+        with_absolute_expiry(document, 0.0)  # a bad `_exp` is a bad line
+    except DocumentError as exc:
+        raise DocumentError(f"{where}:{number}: {exc}") from None
+    return document
+
+
 def parse_lines(lines: Sequence[tuple[int, bytes]], where: str) -> tuple[list[Document], list[str]]:
     """The documents of numbered JSONL lines, and one message per bad line; blanks skipped."""
     documents = []
     errors = []
     for number, raw in lines:
         try:
-            text = raw.decode("utf-8")
-            if text.strip():
-                document = parse_line(text, f"{where}:{number}", raw.strip())
-                try:
-                    with_absolute_expiry(document, 0.0)  # a bad `_exp` is a bad line
-                except DocumentError as exc:
-                    raise DocumentError(f"{where}:{number}: {exc}") from None
-                documents.append(document)
-        except UnicodeDecodeError:
-            errors.append(f"{where}:{number}: not UTF-8")
+            document = parse_numbered(number, raw, where)
         except DocumentError as exc:
             errors.append(str(exc))
+        else:
+            if document is not None:
+                documents.append(document)
     return documents, errors

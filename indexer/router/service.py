@@ -513,22 +513,25 @@ class DocsApi:
                 request.timeout_s + MARGIN_S,
             )
             items.extend(forwarded.items)
+        at_plus: dict[int, int] = {}
+        if forwarded is not None:
+            bulk.raise_to(at_plus, forwarded.at_plus.items())
         limit = append_bytes(self.appender.mm.capacity)
         for group in bulk.groups(mine, limit):
             positions = await self.appender.append([bulk.document_of(line) for line in group])
-            items.extend(
-                bulk.appended_item(line, vb, seqno)
-                for line, (vb, seqno) in zip(group, positions, strict=True)
-            )
-        answer = bulk.answer(items, request.wait, 0.0)
+            bulk.raise_to(at_plus, positions)
+            if request.items == "all":
+                items.extend(
+                    bulk.appended_item(line, vb, seqno)
+                    for line, (vb, seqno) in zip(group, positions, strict=True)
+                )
+        appended = len(mine) + (forwarded.appended if forwarded is not None else 0)
+        answer = bulk.answer(items, appended, at_plus, request.wait, 0.0)
         self.bulk.count(len(mine), own_failures)
         late = [forwarded.error] if forwarded is not None and forwarded.status == 504 else []
         if request.wait == "visible":
-            targets = {
-                int(vb): seqno
-                for vb, seqno in answer["at_plus"].items()
-                if source.owns(int(vb))  # the others' owners waited for theirs
-            }
+            # The others' owners waited for theirs.
+            targets = {vb: seqno for vb, seqno in at_plus.items() if source.owns(vb)}
             lagging = await self.appender.visibility.wait(targets, request.timeout_s)
             if lagging:
                 late.insert(

@@ -682,9 +682,12 @@ class ShardsApi:
         if refused:
             return _json(401, {"error": refused[0].error},
                          [(b"www-authenticate", b'Bearer realm="indexer-router"')])  # fmt: skip
+        at_plus: dict[int, int] = {}
         for forwarded in answers:
             items.extend(forwarded.items)
-        merged = bulk.answer(items, request.wait, time.monotonic() - started)
+            bulk.raise_to(at_plus, forwarded.at_plus.items())
+        appended = sum(forwarded.appended for forwarded in answers)
+        merged = bulk.answer(items, appended, at_plus, request.wait, time.monotonic() - started)
         late = [a.error for a in answers if a.status == 504]
         if late:
             merged["error"] = "; ".join(late)

@@ -254,7 +254,11 @@ class IndexerWriter(DataSourceArrowWriter):
 
     def _post(self, url: str, part: _Pending, commit: IndexerCommit) -> None:
         """Post the lines, and again those the router could not take for now, until timeout."""
-        params = {"wait": self.options.wait, "timeout": f"{self.options.timeout:g}"}
+        params = {
+            "wait": self.options.wait,
+            "timeout": f"{self.options.timeout:g}",
+            "items": "errors",  # the good lines are counted, not listed
+        }
         deadline = time.monotonic() + self.options.timeout
         backoff = RETRY_MIN_S
         lines, ids = part.lines, part.ids
@@ -277,15 +281,20 @@ class IndexerWriter(DataSourceArrowWriter):
                 again = list(range(len(lines)))
             else:
                 commit.requests += 1
+                refused: set[int] = set()
                 for item in answer["items"]:
                     i = item["line"] - 1
-                    if "error" not in item:
-                        commit.documents += 1
-                        commit.deletes += lines[i].endswith(b'"deleted":true}\n')
-                    elif item.get("retry"):
+                    refused.add(i)
+                    if item.get("retry"):
                         again.append(i)
                     else:
                         self._bad(commit, f"row with id {ids[i]!r}: {item['error']}")
+                commit.documents += answer["appended"]
+                commit.deletes += sum(
+                    1
+                    for i, line in enumerate(lines)
+                    if i not in refused and line.endswith(b'"deleted":true}\n')
+                )
                 if again and time.monotonic() + backoff > deadline:
                     raise IndexerSourceError(
                         f"writing to {url}: {len(again)} rows not taken within "

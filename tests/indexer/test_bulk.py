@@ -30,9 +30,11 @@ def test_the_answer_orders_items_by_line_and_gives_the_last_seqno_per_vbucket() 
         bulk.error_item(lines[1], "bad"),
         bulk.appended_item(lines[0], 5, 8),
     ]
-    answer = bulk.answer(items, "persisted", 0.5)
+    at_plus: dict[int, int] = {}
+    bulk.raise_to(at_plus, [(5, 9), ("5", 8), (7, 1)])
+    answer = bulk.answer(items, 2, at_plus, "persisted", 0.5)
     assert [item["line"] for item in answer["items"]] == [1, 2, 3]
-    assert answer["at_plus"] == {"5": 9}
+    assert answer["at_plus"] == {"5": 9, "7": 1}
     assert (answer["appended"], answer["failed"], answer["errors"]) == (2, 1, True)
     assert answer["items"][1] == {"line": 2, "error": "bad"}  # no id could be read
 
@@ -53,6 +55,7 @@ def test_groups_stay_under_the_limit_and_keep_order() -> None:
         ({"timeout": ["x"]}, "seconds"),
         ({"timeout": ["0"]}, "above 0"),
         ({"pretty": ["1"]}, "unknown parameter"),
+        ({"items": ["some"]}, "items must be all or errors"),
     ],
 )
 def test_bad_queries_are_refused(query: dict[str, list[str]], message: str) -> None:
@@ -61,7 +64,8 @@ def test_bad_queries_are_refused(query: dict[str, list[str]], message: str) -> N
 
 
 def test_a_good_query() -> None:
-    assert bulk.parse_query({}) == bulk.BulkRequest("persisted", 30.0)
+    assert bulk.parse_query({}) == bulk.BulkRequest("persisted", 30.0, "all")
+    assert bulk.parse_query({"items": ["errors"]}).items == "errors"
     assert bulk.parse_query({"wait": ["visible"], "timeout": ["2.5"]}) == bulk.BulkRequest(
         "visible", 2.5
     )
