@@ -6,8 +6,9 @@
 
 Reads one snapshot of the index (pinned on the daemon for the job and released at the end, or
 the persisted snapshot of a data directory), groups by the leading key column, writes the result
-as Parquet to --out, then prints the top rows and the snapshot it read. Key columns hold JSON text
-(`"Paris"`, `42`, `null`); the averages take the numbers among them.
+as Parquet to --out, then prints the top rows and the snapshot it read. Key columns are typed from
+what the index holds (JSON text where a key holds several types); the averages take the numbers
+among them.
 """
 
 from __future__ import annotations

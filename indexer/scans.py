@@ -275,3 +275,95 @@ def _slices(entries: list[bytes], starts: Any, lengths: Any) -> Iterator[tuple[b
 def column_names(paths: Sequence[str]) -> list[str]:
     """Spark-friendly column names of key paths: dots become underscores."""
     return [p.replace(".", "_") for p in paths]
+
+
+# --------------------------------------------------------------------------------------------
+# Typed columns: what JSON types an index holds per key position, and values as typed columns
+
+# The kinds a scan's Arrow columns can be: JSON text (any value), or a typed column.
+COLUMN_KINDS = {
+    "json": pa.string(),
+    "string": pa.string(),
+    "boolean": pa.bool_(),
+    "long": pa.int64(),
+    "double": pa.float64(),
+}
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def type_name(value: Any) -> str:
+    """The JSON type of a key value: missing, null, boolean, integer (a whole number that fits
+    64 bits), number, string, array or object."""
+    if value is MISSING:
+        return "missing"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer" if INT64[0] <= value <= INT64[1] else "number"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def column_kind(types: Sequence[str] | set[str]) -> str:
+    """The column kind for the types a key position holds: typed when one type (or integers
+    and numbers) is all there is besides missing and null, else JSON text."""
+    present = set(types) - {"missing", "null"}
+    if present == {"integer"}:
+        return "long"
+    if present and present <= {"integer", "number"}:
+        return "double"
+    if present == {"string"}:
+        return "string"
+    if present == {"boolean"}:
+        return "boolean"
+    return "json"
+
+
+def key_types(
+    store: IndexStore, index: StoredIndex, snapshot: Any, chunk: int = 8192
+) -> list[set[str]]:
+    """The JSON types that occur at each key position of the index (blocking: a thread).
+
+    One walk over the entries; each batch's distinct keys are decoded once (`entry_batches`).
+    """
+    count = len(index.definition.keys)
+    found: list[set[str]] = [set() for _ in range(count)]
+    for batch in entry_batches(store, index, snapshot, KeyRange(), chunk=chunk):
+        for values in batch.keys:
+            for j, value in enumerate(values):
+                found[j].add(type_name(value))
+    return found
+
+
+def column_value(kind: str, value: Any) -> Any:
+    """A key value in a column of `kind` (None: MISSING, null, or a value of another type)."""
+    if value is MISSING:
+        return None
+    if kind == "json":
+        return json_text(value)
+    if value is None:
+        return None
+    if kind == "string":
+        return value if isinstance(value, str) else None
+    if kind == "boolean":
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if kind == "long":
+        return value if isinstance(value, int) and INT64[0] <= value <= INT64[1] else None
+    return float(value)
+
+
+def typed_columns(batch: EntryBatch, kinds: Sequence[str]) -> list[pa.Array]:
+    """The key columns of a batch, position j as a column of kinds[j]: values are converted
+    once per distinct key, then taken row by row in Arrow."""
+    columns = []
+    for j, kind in enumerate(kinds):
+        values = pa.array([column_value(kind, key[j]) for key in batch.keys], COLUMN_KINDS[kind])
+        columns.append(values.take(batch.codes))
+    return columns

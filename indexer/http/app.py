@@ -122,7 +122,7 @@ class HttpApi(ScanRoutes):
     async def _index_route(
         self, method: str, path: str, query: dict[str, str], headers: dict[str, str], send: Send
     ) -> None:
-        """GET and DELETE /indexes/NAME and GET /indexes/NAME/(scan|count|splits); a name that
+        """GET and DELETE /indexes/NAME and GET /indexes/NAME/(scan|count|splits|types); a name that
         is not an index name is a 400, whatever follows it."""
         name, _, action = path[len("/indexes/") :].partition("/")
         problem = check_index_name(name)
@@ -138,13 +138,18 @@ class HttpApi(ScanRoutes):
             await _respond(send, 204, b"", "text/plain")
             return
         if action not in INDEX_ACTIONS:
-            raise ApiError(404, f"no such route: {path} (an index has /scan, /count, /splits)")
+            raise ApiError(
+                404, f"no such route: {path} (an index has /scan, /count, /splits, /types)"
+            )
         _only(method, "GET")
         _params(query, ACTION_PARAMS[action], f"/indexes/NAME/{action}")
         with self._scan_slot():
             index = self._index(name, query)
             if action == "splits":
                 await self.split(index, query, send)
+                return
+            if action == "types":
+                await self.types(index, query, send)
                 return
             started = time.perf_counter()
             rows = await self.scan(index, query, headers, send, count_only=action == "count")

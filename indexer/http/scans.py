@@ -34,11 +34,14 @@ from indexer.http.wire import (
     _vector,
 )
 from indexer.scans import (
+    COLUMN_KINDS,
     EntryBatch,
     KeyRange,
+    column_kind,
     count_entries,
     entry_batches,
     key_range,
+    key_types,
     more_than,
     parse_json_param,
     splits,
@@ -47,6 +50,23 @@ from indexer.snapshots import RolledBackError, StabilitySnapshot
 from indexer.storage import StoredIndex
 
 log = logging.getLogger("indexer.http")
+
+
+TYPES_CACHE = 16  # answers of /types kept, by index and snapshot
+
+
+def _column_kinds(text: str | None, count: int) -> list[str]:
+    """The `columns` parameter of an Arrow scan: a kind per key position (default all json)."""
+    if text is None:
+        return ["json"] * count
+    kinds = text.split(",")
+    if len(kinds) != count or any(k not in COLUMN_KINDS for k in kinds):
+        raise ApiError(
+            400,
+            f"columns: {count} comma-separated kinds, one per key, of "
+            f"{', '.join(COLUMN_KINDS)}; not {text!r}",
+        )
+    return kinds
 
 
 def serving_cores() -> int:
@@ -253,8 +273,10 @@ class ScanRoutes(AdminRoutes):
             self.active_scans += 1
             try:
                 if ARROW in headers.get("accept", ""):
-                    await self._stream_arrow(index, snap, chunks, send, meta)
+                    await self._stream_arrow(index, snap, chunks, send, meta, query)
                 else:
+                    if "columns" in query:
+                        raise ApiError(400, "columns: for Arrow scans (Accept: " + ARROW + ")")
                     await self._stream_ndjson(chunks, send, meta)
             finally:
                 self.active_scans -= 1
@@ -300,10 +322,13 @@ class ScanRoutes(AdminRoutes):
         chunks: Iterator[EntryBatch],
         send: Send,
         meta: dict[str, str],
+        query: dict[str, str],
     ) -> None:
         paths = index.definition.keys
+        kinds = _column_kinds(query.get("columns"), len(paths))
         schema = pa.schema(
-            [pa.field("id", pa.string())] + [pa.field(p, pa.string()) for p in paths],
+            [pa.field("id", pa.string())]
+            + [pa.field(p, COLUMN_KINDS[k]) for p, k in zip(paths, kinds, strict=True)],
             metadata={
                 "indexer.snapshot": str(snap.number),
                 "indexer.seqno_sum": str(snap.timestamp.total),
@@ -313,10 +338,34 @@ class ScanRoutes(AdminRoutes):
         writer = pa.ipc.new_stream(sink, schema)
         await _start(send, 200, ARROW, meta)
         # Decoding, JSON texts and the Arrow batch are built in the thread, off the event loop.
-        while await trio.to_thread.run_sync(_arrow_chunk, chunks, writer, schema):
+        while await trio.to_thread.run_sync(_arrow_chunk, chunks, writer, schema, kinds):
             await send({"type": "http.response.body", "body": sink.take(), "more_body": True})
         writer.close()
         await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
+
+    async def types(self, index: StoredIndex, query: dict[str, str], send: Send) -> None:
+        """The JSON types each key position holds at the snapshot, and the column kind a typed
+        read gives it. One walk over the index per snapshot; the answers of the last few
+        snapshots are kept."""
+        snap = (await self._read_snapshot(query)).acquire()
+        try:
+            key = (index.definition.name, snap.number)
+            found = self.types_cache.get(key)
+            if found is None:
+                found = await trio.to_thread.run_sync(
+                    key_types, self.view.store, index, snap.store_snapshot
+                )
+                self.types_cache[key] = found
+                while len(self.types_cache) > TYPES_CACHE:
+                    self.types_cache.pop(next(iter(self.types_cache)))
+        finally:
+            snap.release()
+        answer = {
+            "types": [sorted(t) for t in found],
+            "columns": [column_kind(t) for t in found],
+            "snapshot": snap.number,
+        }
+        await _json(send, 200, answer)
 
     async def split(self, index: StoredIndex, query: dict[str, str], send: Send) -> None:
         parts = int(_number(query.get("parts", "4"), "parts", 1, 10_000))

@@ -97,6 +97,8 @@ class ApiState:
         self.reads: dict[str, IndexReads] = {}  # by index name
         self.bytes_on_disk: dict[str, int] = {}  # by index name, as last measured
         self.refused = {"unauthorized": 0, "too_many_scans": 0, "too_many_rows": 0}
+        # GET /indexes/NAME/types answers, by (index name, snapshot number): a walk each.
+        self.types_cache: dict[tuple[str, int], list[set[str]]] = {}
 
     def _builds(self) -> list[IndexBuild]:
         catalog = self.view.catalog

@@ -7,14 +7,14 @@ import io
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl
 
 import pyarrow as pa
 
 from indexer.client import ARROW_STREAM, JSON
-from indexer.scans import EntryBatch, Row, json_encode, json_text
+from indexer.scans import EntryBatch, Row, json_encode, typed_columns
 
 ARROW = ARROW_STREAM  # the media types and header names are the clients' too
 
@@ -28,7 +28,7 @@ MAX_LEASE_S = 86400.0
 
 CONSISTENCIES = ("any", "request_plus", "at_plus")
 
-INDEX_ACTIONS = ("scan", "count", "splits")
+INDEX_ACTIONS = ("scan", "count", "splits", "types")
 
 READ_METHODS = ("GET", "HEAD")
 
@@ -38,9 +38,10 @@ SNAPSHOT_PARAMS = ("consistency", "at_plus", "timeout", "pin")
 COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", *SNAPSHOT_PARAMS)
 
 ACTION_PARAMS = {
-    "scan": (*COUNT_PARAMS, "limit"),
+    "scan": (*COUNT_PARAMS, "limit", "columns"),
     "count": COUNT_PARAMS,
     "splits": ("parts", *SNAPSHOT_PARAMS),
+    "types": SNAPSHOT_PARAMS,
 }
 
 ROUTE_PARAMS: tuple[str, ...] = ()
@@ -124,15 +125,15 @@ def _ndjson_chunk(batches: Iterator[EntryBatch]) -> bytes | None:
     return "".join(lines).encode()
 
 
-def _arrow_chunk(batches: Iterator[EntryBatch], writer: Any, schema: pa.Schema) -> bool:
-    """Write the next batch of rows as one record batch; False at the end."""
+def _arrow_chunk(
+    batches: Iterator[EntryBatch], writer: Any, schema: pa.Schema, kinds: Sequence[str]
+) -> bool:
+    """Write the next batch of rows as one record batch (the key columns of `kinds`); False at
+    the end."""
     batch = next(batches, None)
     if batch is None:
         return False
-    columns = [batch.docids]
-    for j in range(len(schema) - 1):
-        texts = pa.array([json_text(values[j]) for values in batch.keys], pa.string())
-        columns.append(texts.take(batch.codes))
+    columns = [batch.docids, *typed_columns(batch, kinds)]
     writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
     return True
 

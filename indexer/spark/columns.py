@@ -36,7 +36,7 @@ from pyspark.sql.types import (
 )
 
 from indexer.keys import MISSING, encode_key
-from indexer.scans import AFTER_PREFIX, KeyRange, column_names, json_text
+from indexer.scans import AFTER_PREFIX, KeyRange, column_names, column_value
 from indexer.spark.options import IndexerSourceError
 
 JSON_TEXT = "indexer.json_text"  # field metadata marking a column of JSON text (the default)
@@ -51,6 +51,7 @@ class Column:
     path: str  # the key path ("" for the id)
     kind: str  # "id", "json" (JSON text), or a converted kind: string, boolean, integral, ...
     arrow: Any  # the pyarrow type Spark expects
+    inferred: bool = False  # typed from what the index held (not a schema the user gave)
 
 
 _INT_BITS = {"byte": 8, "short": 16, "integer": 32, "long": 64}
@@ -73,6 +74,49 @@ def default_schema(keys: Sequence[str]) -> StructType:
     fields = [StructField("id", StringType(), False)]
     fields += [StructField(n, StringType(), True, metadata={JSON_TEXT: True}) for n in names]
     return StructType(fields)
+
+
+_SPARK_TYPES: dict[str, type[DataType]] = {
+    "string": StringType,
+    "boolean": BooleanType,
+    "long": LongType,
+    "double": DoubleType,
+}
+SERVER_KINDS = ("json", "string", "boolean", "long", "double")  # kinds a scan sends typed
+
+
+def typed_schema(keys: Sequence[str], kinds: Sequence[str]) -> StructType:
+    """`id` then one column per key path of the kind the index's values there have (a column
+    kind of `indexer.scans.column_kind`): JSON text where they are of several types."""
+    names = _key_column_names(keys)
+    fields = [StructField("id", StringType(), False)]
+    for name, kind in zip(names, kinds, strict=True):
+        if kind == "json":
+            fields.append(StructField(name, StringType(), True, metadata={JSON_TEXT: True}))
+        else:
+            fields.append(StructField(name, _SPARK_TYPES[kind](), True, metadata={INFERRED: kind}))
+    return StructType(fields)
+
+
+INFERRED = "indexer.inferred"  # field metadata: the type came from what the index held
+_FITS = {"long": {"integer"}, "double": {"integer", "number"}, "string": {"string"}}
+_FITS["boolean"] = {"boolean"}
+
+
+def fits(kind: str, types: set[str]) -> bool:
+    """Whether every value of these JSON types fits a column of `kind` (JSON text takes all)."""
+    present = types - {"missing", "null"}
+    return kind not in _FITS or present <= _FITS[kind]
+
+
+def server_kinds(columns: Sequence[Column], count: int) -> list[str]:
+    """The kind a scan sends each key position in: the column's own where the server makes it,
+    else JSON text (converted here, row by row)."""
+    kinds = ["json"] * count
+    for column in columns:
+        if column.position >= 0 and column.kind in SERVER_KINDS:
+            kinds[column.position] = column.kind
+    return kinds
 
 
 def _key_column_names(keys: Sequence[str]) -> list[str]:
@@ -114,7 +158,8 @@ def plan_columns(schema: StructType, keys: Sequence[str]) -> list[Column]:
                     f"({supported})"
                 )
             kind = found
-        out.append(Column(field.name, position, keys[position], kind, arrow))
+        inferred = field.metadata.get(INFERRED) == kind
+        out.append(Column(field.name, position, keys[position], kind, arrow, inferred))
     return out
 
 
@@ -122,16 +167,10 @@ def convert(kind: str, value: Any) -> Any:
     """A JSON value as a column of `kind` holds it; None when it does not fit."""
     if value is MISSING or value is None:
         return None
-    if kind == "json":
-        return json_text(value)
-    if kind == "string":
-        return value if isinstance(value, str) else None
-    if kind == "boolean":
-        return value if isinstance(value, bool) else None
+    if kind in ("json", "string", "boolean", "double"):
+        return column_value(kind, value)  # as the daemon converts them for typed scans
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    if kind == "double":
-        return float(value)
     if kind == "float":
         try:
             return struct.unpack("f", struct.pack("f", value))[0]

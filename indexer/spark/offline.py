@@ -83,6 +83,17 @@ def _offline_keys(path: str, index: str) -> list[str]:
         store.close()
 
 
+def offline_types(path: str, index: str) -> list[set[str]]:
+    """The JSON types each key position of a stopped node's index holds (one walk)."""
+    from indexer.scans import key_types
+
+    store = _open_store(path, PLANNING_LOCK_WAIT_S, planning=True)
+    try:
+        return key_types(store, _stored_index(store, index), None)
+    finally:
+        store.close()
+
+
 def _stored_index(store: IndexStore, index: str) -> StoredIndex:
     try:
         return store.index(index)

@@ -20,8 +20,9 @@ DEFAULT_TIMEOUT_S = 120.0
 SNAPSHOTS = ("persisted", "stable")
 OPTIONS = (
     "url path cluster_map index partitions snapshot consistency at_plus pin lease_s timeout "
-    "pushdown token token_file tls tls_ca"
+    "pushdown columns token token_file tls tls_ca"
 )
+COLUMNS = ("typed", "json")
 
 
 log = logging.getLogger("indexer.spark")
@@ -78,6 +79,9 @@ class SourceOptions:
     # scan of it (docs/spark.md), which would silently drop rows. Off, every plan reads
     # everything and Spark filters after the read.
     pushdown: bool = False
+    # "typed": each key column gets the Spark type of what the index holds there (JSON text
+    # where it holds several types); "json": JSON text for every key column.
+    columns: str = "typed"
     access: Access = dataclasses.field(default_factory=Access)  # token and TLS of online reads
 
     @classmethod
@@ -119,6 +123,9 @@ class SourceOptions:
                 "offline reads (path) open the store itself: token, token_file, tls and tls_ca "
                 "are for the url or cluster_map option"
             )
+        columns = opts.get("columns", "typed")
+        if columns not in COLUMNS:
+            raise IndexerSourceError(f'columns: "typed" or "json", not {columns!r}')
         pushdown = opts.get("pushdown", str(default_pushdown)).lower()
         if pushdown not in ("true", "false"):
             raise IndexerSourceError(f'pushdown: "true" or "false", not {pushdown!r}')
@@ -134,6 +141,7 @@ class SourceOptions:
             lease_s=seconds_option(opts, "lease_s", DEFAULT_LEASE_S),
             timeout=seconds_option(opts, "timeout", DEFAULT_TIMEOUT_S),
             pushdown=pushdown == "true",
+            columns=columns,
             access=access,
         )
 

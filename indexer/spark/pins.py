@@ -122,6 +122,25 @@ def index_keys(
     raise IndexerSourceError(f"indexer at {url}: no index named {index!r} (indexes: {known})")
 
 
+def index_types(
+    url: str,
+    index: str,
+    pin_id: str,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    access: Access | None = None,
+) -> list[set[str]]:
+    """The JSON types each key position of `index` holds at the pinned snapshot."""
+    answer = _json_call(
+        "GET",
+        url.rstrip("/"),
+        f"/indexes/{index}/types",
+        params={"pin": pin_id},
+        timeout=timeout,
+        access=access,
+    )
+    return [set(types) for types in answer["types"]]
+
+
 _T = TypeVar("_T")
 
 

@@ -15,15 +15,19 @@ from pyspark.sql.types import StructType
 
 from indexer.client import ARROW_STREAM
 from indexer.keys import encode_key
-from indexer.scans import KeyRange, Row, iterate, json_text, splits
+from indexer.scans import KeyRange, Row, column_kind, iterate, json_text, splits
 from indexer.spark.columns import (
+    SERVER_KINDS,
     accepts,
     apply_filters,
     convert,
     default_schema,
     filter_range,
+    fits,
     intersect,
     plan_columns,
+    server_kinds,
+    typed_schema,
 )
 from indexer.spark.offline import (
     BATCH_ROWS,
@@ -33,6 +37,7 @@ from indexer.spark.offline import (
     _open_store,
     _stored_index,
     offline_snapshot,
+    offline_types,
 )
 from indexer.spark.options import DEFAULT_PARTITIONS, FORMAT, IndexerSourceError, SourceOptions
 from indexer.spark.pins import (
@@ -48,6 +53,7 @@ from indexer.spark.pins import (
     _targets,
     index_keys,
     index_keys_everywhere,
+    index_types,
     share_partitions,
 )
 from indexer.spark.rows import BadRow, RowShape
@@ -94,8 +100,13 @@ class IndexerDataSource(DataSource):
         return FORMAT
 
     def schema(self) -> StructType:
+        """The id and a column per key: of the Spark type of what the index holds there (JSON
+        text where it holds several types), or all JSON text with columns=json."""
         options = SourceOptions.parse(self.options)
-        return default_schema(_keys(options))
+        keys = _keys(options)
+        if options.columns == "json":
+            return default_schema(keys)
+        return typed_schema(keys, [column_kind(t) for t in _types(options)])
 
     def reader(self, schema: StructType) -> IndexerReader:
         options = SourceOptions.parse(self.options, self.default_pushdown)
@@ -141,6 +152,29 @@ def _keys(options: SourceOptions) -> list[str]:
         return index_keys(options.url, options.index, options.timeout, options.access)
     assert options.path is not None
     return _offline_keys(options.path, options.index)
+
+
+def _types(options: SourceOptions) -> list[set[str]]:
+    """What each key position holds, over every node, at a snapshot pinned for the question
+    (or the `pin` option's); a stopped node's store offline."""
+    if options.path is not None:
+        return offline_types(options.path, options.index)
+    targets = _targets(options)
+    if options.pin is not None:
+        pins, made = _given_pins(options.pin, targets), []
+    else:
+        made = _pin_each(targets, options.snapshot, options.at_plus, 60.0, options.timeout)
+        pins = [pin.id for pin in made]
+    try:
+        found = _results(
+            _on_each(
+                targets,
+                lambda i, t: index_types(t.url, options.index, pins[i], options.timeout, t.access),
+            )
+        )
+    finally:
+        _release_each(made)
+    return [set().union(*(node[j] for node in found)) for j in range(len(found[0]))]
 
 
 class IndexerReader(DataSourceReader):
@@ -203,6 +237,7 @@ class IndexerReader(DataSourceReader):
             )
             pin_ids = [pin.id for pin in made]
         try:
+            self._check_types(targets, pin_ids)
             if options.partitions is None and made and all(p.cores for p in made):
                 shares = [partitions_for(p, self.parts) for p in made]
             elif len(targets) == 1:
@@ -231,6 +266,28 @@ class IndexerReader(DataSourceReader):
                 unused.append(made[i])
         _release_each(unused)
         return out
+
+    def _check_types(self, targets: Sequence[Target], pin_ids: Sequence[str]) -> None:
+        """A column typed from what the index held when the DataFrame was loaded must still fit
+        what the snapshot read holds: a value of another type would read as null."""
+        inferred = [c for c in self.columns if c.inferred]
+        if not inferred:
+            return
+        index = self.options.index
+        found = _results(
+            _on_each(
+                targets,
+                lambda i, t: index_types(t.url, index, pin_ids[i], self.options.timeout, t.access),
+            )
+        )
+        for column in inferred:
+            types = set().union(*(node[column.position] for node in found))
+            if not fits(column.kind, types):
+                raise IndexerSourceError(
+                    f"column {column.name} was typed {column.kind.upper()} when the DataFrame "
+                    f"was loaded, and the index now holds {', '.join(sorted(types))} there: "
+                    'load it again, or read with .option("columns", "json")'
+                )
 
     def _count(self, target: Target, pin_id: str) -> int:
         """The index's entries on `target` at its pin."""
@@ -299,6 +356,7 @@ class IndexerReader(DataSourceReader):
         if part.stop is not None:
             params["stop"] = part.stop.hex()
         path = f"/indexes/{options.index}/scan"
+        params["columns"] = ",".join(server_kinds(self.columns, len(self.keys)))
         try:
             response = _http(
                 "GET",
@@ -329,14 +387,15 @@ class IndexerReader(DataSourceReader):
                 ) from None
 
     def _from_server(self, batch: Any) -> Any:
-        """A server batch (id, JSON text per key path) as the read schema wants it."""
+        """A server batch (the id, a column per key path of the kind asked for: `server_kinds`)
+        as the read schema wants it."""
         arrays = []
         for column in self.columns:
             if column.kind == "id":
                 array = batch.column("id")
             else:
                 array = batch.column(column.path)
-                if column.kind != "json":
+                if column.kind not in SERVER_KINDS:  # sent as JSON text, converted here
                     values = [
                         None if t is None else convert(column.kind, json.loads(t))
                         for t in array.to_pylist()

@@ -115,6 +115,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 
 def read(spark: SparkSession, schema: str | None = None, **options: Any) -> DataFrame:
+    """A DataFrame of the source; without a schema or columns option, of JSON text columns
+    (which tell MISSING from null, as the model does). Typed reads ask columns="typed"."""
+    if schema is None:
+        options.setdefault("columns", "json")
     reader = spark.read.format("indexer")
     if schema is not None:
         reader = reader.schema(schema)
@@ -185,6 +189,35 @@ def test_dataframe_equals_the_ndjson_scan_and_the_model(spark: SparkSession, nod
     with pinned(url) as given:  # a pin of the caller's: the session's parallelism
         df = read(spark, url=url, index="by_age", pin=given.id)
         assert df.rdd.getNumPartitions() == 2
+
+
+def test_typed_columns_by_default_equal_the_json_text_read_converted(
+    spark: SparkSession, node: Node
+) -> None:
+    url = node.daemon.url
+    for name, paths in INDEXES.items():
+        answer = httpx.get(f"{url}/indexes/{name}/types", timeout=60).json()
+        with pinned(url) as pin:
+            typed = read(spark, url=url, index=name, pin=pin.id, columns="typed")
+            texts = read(spark, url=url, index=name, pin=pin.id, columns="json")
+            kinds = {
+                f.name: f.metadata.get("indexer.inferred", "json") for f in typed.schema.fields
+            }
+            assert [kinds[c] for c in typed.columns[1:]] == answer["columns"], answer
+            got = [r.asDict() for r in typed.collect()]
+            want = [
+                {
+                    k: v if k == "id" or v is None else convert(kinds[k], json.loads(v))
+                    for k, v in r.asDict().items()
+                }
+                for r in texts.collect()
+            ]
+        assert len(got) == len(model(node.documents, paths)) and got == want, name
+    # by_age holds numbers (and nulls): a DOUBLE column, as its types say.
+    ages = httpx.get(f"{url}/indexes/by_age/types", timeout=60).json()
+    assert set(ages["types"][0]) - {"null", "missing"} <= {"integer", "number"}
+    by_age = spark.read.format("indexer").option("url", url).option("index", "by_age").load()
+    assert dict(by_age.dtypes)["age"] in ("double", "bigint")  # typed is the default
 
 
 def test_a_user_schema_converts_values_and_those_that_do_not_fit_are_null(
@@ -413,6 +446,22 @@ def test_a_session_without_the_pushdown_setting_reads_unless_pushdown_is_asked_f
     finally:
         spark.conf.set(key, "true")
     assert read(spark, url=url, index="by_age", pushdown="true").count() == want
+
+
+def test_a_typed_column_that_no_longer_fits_asks_to_load_the_dataframe_again(
+    spark: SparkSession, node: Node
+) -> None:
+    url = node.daemon.url
+    df = spark.read.format("indexer").option("url", url).option("index", "by_age").load()
+    assert dict(df.dtypes)["age"] in ("double", "bigint")
+    node.feed([Document("odd-age", {"age": "forty", "address": {"city": "Oslo"}})])
+    with pytest.raises(Exception) as failed:
+        df.count()
+    message = error_message(failed.value)
+    assert "column age was typed" in message and "load it again" in message, message
+    again = spark.read.format("indexer").option("url", url).option("index", "by_age").load()
+    assert dict(again.dtypes)["age"] == "string"  # several types there now: JSON text
+    assert again.filter("""age = '"forty"'""").count() == 1
 
 
 def test_offline_read_of_a_stopped_node_equals_the_online_read(

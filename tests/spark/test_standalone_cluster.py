@@ -134,9 +134,9 @@ def test_the_example_jobs_load_and_read_on_a_standalone_cluster(
     assert "6000 entries of index by_city" in job.stdout
     written = pq.read_table(out).to_pylist()
     assert sorted((r["address_city"], r["entries"]) for r in written) == [
-        ('"Kyiv"', 2000),
-        ('"Lima"', 2000),
-        ('"Oslo"', 2000),
+        ("Kyiv", 2000),
+        ("Lima", 2000),
+        ("Oslo", 2000),
     ]
     assert re.search(
         r"Asked to launch executor app-\S+ for indexer-by_city", cluster.worker_log.read_text()
