@@ -84,6 +84,7 @@ BENCHES = (
     Bench("router", ("--documents", "20000", "--rounds", "4", "--hold", "0.5")),
     Bench("build", ("--documents", "20000", "--feed-rate", "2000", "--feed-max-s", "20")),
     Bench("memory", ("--mutations", "200000", "--stuck-s", "5")),
+    Bench("spark", ("--documents", "50000", "--rounds", "1")),
 )
 NAMES = tuple(b.name for b in BENCHES)
 
@@ -334,6 +335,33 @@ def headline_rows(results: dict[str, Json]) -> list[Row]:
                     "2 x snapshot interval + mean flush",
                     f"{num(r.get('request_plus_target_ms'), 1)} ms",
                     times(div(r["request_plus_p99_ms"], r.get("request_plus_target_ms"))),
+                )
+            )
+    if "spark" in results:
+        r = results["spark"]["result"]
+        rows.append(
+            Row(
+                "spark",
+                f"load {num(r['documents'])} documents from Parquet through the writer",
+                f"{num(r.get('writer_per_s'))} docs/s",
+                "the router's JSONL rate, same documents",
+                f"{num(r.get('jsonl_per_s'))} docs/s",
+                times(r.get("ratio_writer_vs_jsonl")),
+            )
+        )
+        raw = f"{num(r.get('raw_per_s'))} rows/s"
+        for label, key, ratio_key in (
+            ("count()", "count_per_s", "ratio_count_vs_raw"),
+            ("Parquet write", "parquet_per_s", "ratio_parquet_vs_raw"),
+        ):
+            rows.append(
+                Row(
+                    "spark",
+                    f"read a {num(r['documents'])}-entry index, {label}, local[2]",
+                    f"{num(r.get(key))} rows/s",
+                    "raw plyvel iterator",
+                    raw,
+                    times(r.get(ratio_key)),
                 )
             )
     if "rollback" in results:
@@ -1059,7 +1087,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: check the chain")
-    parser.add_argument("--skip-spark", action="store_true", help="scan.py --skip-spark")
+    parser.add_argument(
+        "--skip-spark", action="store_true", help="scan.py --skip-spark, and no spark.py"
+    )
     parser.add_argument(
         "--only", default="", help=f"run only these, comma-separated ({', '.join(NAMES)})"
     )
@@ -1093,6 +1123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = list(bench.quick) if opts.quick else []
             if bench.name == "scan" and opts.skip_spark:
                 args.append("--skip-spark")
+            if bench.name == "spark" and opts.skip_spark:
+                continue
             if not run_bench(bench, args, results_dir, opts.quick):
                 failed.append(bench.name)
         print(f"== benchmarks done in {time.time() - began:.0f} s", flush=True)

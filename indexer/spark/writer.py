@@ -40,8 +40,10 @@ WRITE_OPTIONS = (
     "tls tls_ca"
 )
 WAITS = ("persisted", "visible")
-DEFAULT_BATCH_ROWS = 5_000
-DEFAULT_BATCH_BYTES = 4 << 20  # under the router's default bulk limit of 16 MiB
+# A bulk is one append in the router, and each append costs it some work per vbucket it
+# touches: 5,000-line bulks cost the router 33 us a document, 45,000-line ones 21 (as JSONL).
+DEFAULT_BATCH_ROWS = 50_000
+DEFAULT_BATCH_BYTES = 12 << 20  # under the router's default bulk limit of 16 MiB
 DEFAULT_WRITE_TIMEOUT_S = 120.0
 RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
