@@ -108,13 +108,28 @@ def iterate(
     snapshot: Any,
     bounds: KeyRange,
     limit: int | None = None,
+    reverse: bool = False,
 ) -> Iterator[Row]:
-    """Rows of `index` within `bounds` in index order, read from a LevelDB snapshot."""
+    """Rows of `index` within `bounds` in index order (`reverse`: the other way), read from a
+    LevelDB snapshot."""
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
-    for entry in _entries(store, index, snapshot, bounds, limit):
+    for entry in _entries(store, index, snapshot, bounds, limit, reverse):
         values, docid = split_entry(entry[cut:], count)
         yield Row(values, docid.decode("utf-8", errors="replace"))
+
+
+def lookup(store: IndexStore, index: StoredIndex, snapshot: Any, docid: str) -> list[Row]:
+    """The entries a document has in the index, read from the back index (none when it is
+    not in the index, deleted or left out)."""
+    source = snapshot if snapshot is not None else store.db
+    key = source.get(index.back_prefix + docid.encode())
+    if key is None:
+        return []
+    values, end = decode_key(key, len(index.definition.keys))
+    if end != len(key):
+        raise KeyEncodingError(f"{len(key) - end} stray bytes after a back-index key")
+    return [Row(values, docid)]
 
 
 def count_entries(store: IndexStore, index: StoredIndex, snapshot: Any, bounds: KeyRange) -> int:
@@ -134,13 +149,17 @@ def _entries(
     snapshot: Any,
     bounds: KeyRange,
     limit: int | None = None,
+    reverse: bool = False,
 ) -> Iterator[bytes]:
-    """Main-index entry keys (prefix included) within `bounds`, from a snapshot or the store."""
+    """Main-index entry keys (prefix included) within `bounds`, from a snapshot or the store;
+    in index order, or with `reverse` in the opposite order."""
     prefix = index.main_prefix
     start = prefix + (bounds.start or b"")
     stop = prefix + bounds.stop if bounds.stop is not None else _after(prefix)
     source = snapshot if snapshot is not None else store.db
-    entries: Iterator[bytes] = source.iterator(start=start, stop=stop, include_value=False)
+    entries: Iterator[bytes] = source.iterator(
+        start=start, stop=stop, include_value=False, reverse=reverse
+    )
     return entries if limit is None else islice(entries, limit)
 
 
@@ -211,6 +230,7 @@ def entry_batches(
     bounds: KeyRange,
     limit: int | None = None,
     chunk: int = 8192,
+    reverse: bool = False,
 ) -> Iterator[EntryBatch]:
     """The rows of `iterate` in batches of up to `chunk` (blocking: run it in a thread).
 
@@ -220,7 +240,7 @@ def entry_batches(
     """
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
-    entries = _entries(store, index, snapshot, bounds, limit)
+    entries = _entries(store, index, snapshot, bounds, limit, reverse)
     while entries_of_batch := list(islice(entries, chunk)):
         yield _split_batch(entries_of_batch, cut, count)
 

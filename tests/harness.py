@@ -36,7 +36,7 @@ HOST = "127.0.0.1"
 WAIT_S = 60.0
 POLL_S = 0.02
 INDEXES = {"by_city": ["address.city", "age"], "by_age": ["age"]}  # write_config's indexes
-HTTP_LINE = re.compile(r"HTTP API on http://[^\s:]+:(\d+)")
+HTTP_LINE = re.compile(r"HTTP API on https?://[^\s:]+:(\d+)")
 FEED_LINE = re.compile(r"listening for router feeds on [^\s]+:(\d+);")
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*$", re.MULTILINE)
 TAIL = 4000  # characters of a log quoted in a failure
@@ -231,8 +231,11 @@ class Daemon:
             if time.monotonic() > deadline:
                 raise AssertionError(f"daemon did not listen within {timeout} s:\n{text[-TAIL:]}")
             time.sleep(0.05)
-        self.http_port = int(HTTP_LINE.findall(text)[-1])
-        self.port = int(FEED_LINE.findall(text)[-1])
+        # The ports it bound (a config's port 0 lets it choose); else those configured.
+        if found := HTTP_LINE.findall(text):
+            self.http_port = int(found[-1])
+        if found := FEED_LINE.findall(text):
+            self.port = int(found[-1])
         return self
 
     def log(self) -> str:

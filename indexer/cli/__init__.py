@@ -18,6 +18,7 @@ from indexer.cli.admin import (
     dump,
     health,
     list_indexes,
+    lookup,
     scan,
     stats,
 )
@@ -48,6 +49,7 @@ for _command in (
     compact,
     list_indexes,
     scan,
+    lookup,
     count,
     health,
     create_index,

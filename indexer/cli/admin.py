@@ -288,6 +288,13 @@ def _query_params(
     "--limit", type=click.IntRange(0), metavar="N", help="Print N entries at most (the first)."
 )
 @click.option(
+    "--order",
+    type=click.Choice(["asc", "desc"]),
+    default="asc",
+    show_default=True,
+    help="Index order, or the reverse (desc: the last entries first).",
+)
+@click.option(
     "--cluster-map",
     type=FILE,
     metavar="FILE",
@@ -303,6 +310,7 @@ def scan(
     consistency: str,
     at_plus: str | None,
     limit: int | None,
+    order: str,
     timeout: float,
     cluster_map: Path | None,
 ) -> None:
@@ -313,7 +321,7 @@ def scan(
 
     \b
       indexer scan by_city --low '"Berlin"' --high '"Oslo"' --limit 10
-      indexer scan by_age --eq 30 --consistency request_plus
+      indexer scan by_age --order desc --limit 5 --consistency request_plus
     """
     import httpx
 
@@ -321,9 +329,13 @@ def scan(
     params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
     if limit is not None:
         params["limit"] = limit
+    if order == "desc":
+        params["order"] = "desc"
     if cluster_map is not None:
         if daemon.url is not None:
             fail("give --url or --cluster-map, not both", 2)
+        if order == "desc":
+            fail("--order desc reads one daemon: a cluster map's scan merges in index order", 2)
         # The nodes' addresses come from the map; a configuration gives its token and TLS.
         config = _config(daemon.config_file) if daemon.config_file is not None else None
         bearer, context = _client_security(config, daemon.token, daemon.token_file, daemon.tls_ca)
@@ -380,6 +392,37 @@ def _scan_cluster(
         fail(str(exc))
     except BrokenPipeError:
         sys.stderr.close()
+
+
+@click.command()
+@click.argument("name")
+@click.argument("docid", metavar="ID")
+@api_options
+@click.option(
+    "--consistency",
+    type=click.Choice(["any", "request_plus"]),
+    default="any",
+    show_default=True,
+    help="any: the latest readable snapshot at once; request_plus: wait for one holding "
+    "everything the daemon had received when asked.",
+)
+def lookup(name: str, docid: str, daemon: ApiOptions, consistency: str) -> None:
+    """Print the entries document ID has in index NAME (JSONL, as a scan prints them), read from
+    the back index (GET /indexes/NAME/docs/ID); nothing when it is not in the index.
+
+    Examples:
+
+    \b
+      indexer lookup by_city user::42
+      indexer lookup by_age user::42 --consistency request_plus
+    """
+    from urllib.parse import quote
+
+    _index_name(name)
+    path = f"/indexes/{name}/docs/{quote(docid, safe='')}"
+    answer = _get_json(daemon.connect(), path, {"consistency": consistency}, 150)
+    for entry in answer["entries"]:
+        click.echo(json.dumps(entry, ensure_ascii=False, separators=(", ", ": ")))
 
 
 @click.command()

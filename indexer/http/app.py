@@ -137,9 +137,13 @@ class HttpApi(ScanRoutes):
             await self._catalog_call(self._catalog().drop(name))
             await _respond(send, 204, b"", "text/plain")
             return
+        action, _, docid = action.partition("/")  # /indexes/NAME/docs/ID
+        if (action == "docs") != bool(docid):
+            raise ApiError(404, f"no such route: {path} (a document is /indexes/NAME/docs/ID)")
         if action not in INDEX_ACTIONS:
             raise ApiError(
-                404, f"no such route: {path} (an index has /scan, /count, /splits, /types)"
+                404,
+                f"no such route: {path} (an index has /scan, /count, /splits, /types, /docs/ID)",
             )
         _only(method, "GET")
         _params(query, ACTION_PARAMS[action], f"/indexes/NAME/{action}")
@@ -150,6 +154,9 @@ class HttpApi(ScanRoutes):
                 return
             if action == "types":
                 await self.types(index, query, send)
+                return
+            if action == "docs":
+                await self.lookup(index, docid, query, send)
                 return
             started = time.perf_counter()
             rows = await self.scan(index, query, headers, send, count_only=action == "count")

@@ -42,6 +42,7 @@ from indexer.scans import (
     entry_batches,
     key_range,
     key_types,
+    lookup,
     more_than,
     parse_json_param,
     splits,
@@ -67,6 +68,14 @@ def _column_kinds(text: str | None, count: int) -> list[str]:
             f"{', '.join(COLUMN_KINDS)}; not {text!r}",
         )
     return kinds
+
+
+def _descending(query: dict[str, str]) -> bool:
+    """The `order` parameter of a scan: asc (index order, the default) or desc."""
+    order = query.get("order", "asc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: asc or desc, not {order!r}")
+    return order == "desc"
 
 
 def serving_cores() -> int:
@@ -267,7 +276,13 @@ class ScanRoutes(AdminRoutes):
                 return 0
             chunks = _RowCount(
                 entry_batches(
-                    self.view.store, index, snap.store_snapshot, bounds, limit, SCAN_CHUNK
+                    self.view.store,
+                    index,
+                    snap.store_snapshot,
+                    bounds,
+                    limit,
+                    SCAN_CHUNK,
+                    reverse=_descending(query),
                 )
             )
             self.active_scans += 1
@@ -342,6 +357,24 @@ class ScanRoutes(AdminRoutes):
             await send({"type": "http.response.body", "body": sink.take(), "more_body": True})
         writer.close()
         await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
+
+    async def lookup(
+        self, index: StoredIndex, docid: str, query: dict[str, str], send: Send
+    ) -> None:
+        """GET /indexes/NAME/docs/ID: the document's entries in the index at the snapshot, read
+        from the back index (none: it is not in the index there)."""
+        if not docid or len(docid.encode()) > 250:
+            raise ApiError(400, "the document id must be 1 to 250 bytes")
+        snap = (await self._read_snapshot(query)).acquire()
+        try:
+            rows = await trio.to_thread.run_sync(
+                lookup, self.view.store, index, snap.store_snapshot, docid
+            )
+        finally:
+            snap.release()
+        meta = {SNAPSHOT_HEADER: str(snap.number), SEQNO_SUM_HEADER: str(snap.timestamp.total)}
+        answer = {"id": docid, "entries": [r.as_json() for r in rows], "snapshot": snap.number}
+        await _json(send, 200, answer, meta)
 
     async def types(self, index: StoredIndex, query: dict[str, str], send: Send) -> None:
         """The JSON types each key position holds at the snapshot, and the column kind a typed

@@ -28,7 +28,7 @@ MAX_LEASE_S = 86400.0
 
 CONSISTENCIES = ("any", "request_plus", "at_plus")
 
-INDEX_ACTIONS = ("scan", "count", "splits", "types")
+INDEX_ACTIONS = ("scan", "count", "splits", "types", "docs")
 
 READ_METHODS = ("GET", "HEAD")
 
@@ -38,10 +38,11 @@ SNAPSHOT_PARAMS = ("consistency", "at_plus", "timeout", "pin")
 COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", *SNAPSHOT_PARAMS)
 
 ACTION_PARAMS = {
-    "scan": (*COUNT_PARAMS, "limit", "columns"),
+    "scan": (*COUNT_PARAMS, "limit", "columns", "order"),
     "count": COUNT_PARAMS,
     "splits": ("parts", *SNAPSHOT_PARAMS),
     "types": SNAPSHOT_PARAMS,
+    "docs": SNAPSHOT_PARAMS,
 }
 
 ROUTE_PARAMS: tuple[str, ...] = ()

@@ -168,7 +168,12 @@ def test_spark_reads_over_tls_with_the_token(
 
         def load(**options: str) -> Any:
             reader = spark.read.format("indexer")
-            for key, value in {"url": https_url(daemon), "index": "by_age", **options}.items():
+            for key, value in {
+                "url": https_url(daemon),
+                "index": "by_age",
+                "columns": "json",
+                **options,
+            }.items():
                 reader = reader.option(key, value)
             return reader.load()
 
