@@ -23,6 +23,7 @@ AUTHORIZATION = "authorization"
 RETRY_AFTER = "retry-after"
 SNAPSHOT_HEADER = "x-indexer-snapshot"  # the snapshot a scan read
 SEQNO_SUM_HEADER = "x-indexer-seqno-sum"  # and the sum of its seqnos
+NEXT_HEADER = "x-indexer-next"  # a full page's continuation token (pass it as next=)
 JSON = "application/json"
 NDJSON = "application/x-ndjson"
 ARROW_STREAM = "application/vnd.apache.arrow.stream"

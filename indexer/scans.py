@@ -119,6 +119,41 @@ def iterate(
         yield Row(values, docid.decode("utf-8", errors="replace"))
 
 
+def page(
+    store: IndexStore,
+    index: StoredIndex,
+    snapshot: Any,
+    bounds: KeyRange,
+    offset: int,
+    limit: int,
+    reverse: bool = False,
+) -> list[bytes]:
+    """The entries of one page (blocking): `limit` after skipping `offset`, in index order or
+    with `reverse` in the other; held in memory, so that its last entry is known first."""
+    entries = _entries(store, index, snapshot, bounds, None, reverse)
+    return list(islice(entries, offset, offset + limit))
+
+
+def page_batches(
+    index: StoredIndex, entries: list[bytes], chunk: int = 8192
+) -> Iterator[EntryBatch]:
+    """The entries of a page as `entry_batches` gives a scan's."""
+    cut = len(index.main_prefix)
+    count = len(index.definition.keys)
+    for start in range(0, len(entries), chunk):
+        yield _split_batch(entries[start : start + chunk], cut, count)
+
+
+def after(bounds: KeyRange, entry: bytes, reverse: bool) -> KeyRange:
+    """`bounds` less everything up to `entry` (an entry's bytes after the index prefix) in the
+    order read: what the page after the one that ended at `entry` reads."""
+    if reverse:
+        stop = entry if bounds.stop is None else min(bounds.stop, entry)
+        return KeyRange(bounds.start, stop)
+    start = entry + b"\x00"  # the first byte string after the entry
+    return KeyRange(start if bounds.start is None else max(bounds.start, start), bounds.stop)
+
+
 def lookup(store: IndexStore, index: StoredIndex, snapshot: Any, docid: str) -> list[Row]:
     """The entries a document has in the index, read from the back index (none when it is
     not in the index, deleted or left out)."""
@@ -231,6 +266,7 @@ def entry_batches(
     limit: int | None = None,
     chunk: int = 8192,
     reverse: bool = False,
+    offset: int = 0,
 ) -> Iterator[EntryBatch]:
     """The rows of `iterate` in batches of up to `chunk` (blocking: run it in a thread).
 
@@ -241,6 +277,8 @@ def entry_batches(
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
     entries = _entries(store, index, snapshot, bounds, limit, reverse)
+    if offset:
+        entries = islice(entries, offset, None)
     while entries_of_batch := list(islice(entries, chunk)):
         yield _split_batch(entries_of_batch, cut, count)
 

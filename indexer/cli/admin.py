@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from indexer.client import NEXT_HEADER
+
 if TYPE_CHECKING:
     pass
 from indexer.cli.common import (
@@ -288,6 +290,14 @@ def _query_params(
     "--limit", type=click.IntRange(0), metavar="N", help="Print N entries at most (the first)."
 )
 @click.option(
+    "--all",
+    "all_pages",
+    is_flag=True,
+    help="Read every page of --limit N entries (default 10000), each from the same snapshot, "
+    "following the token each full page gives.",
+)
+@click.option("--offset", type=click.IntRange(0), metavar="N", help="Skip the first N entries.")
+@click.option(
     "--order",
     type=click.Choice(["asc", "desc"]),
     default="asc",
@@ -310,6 +320,8 @@ def scan(
     consistency: str,
     at_plus: str | None,
     limit: int | None,
+    all_pages: bool,
+    offset: int | None,
     order: str,
     timeout: float,
     cluster_map: Path | None,
@@ -322,20 +334,25 @@ def scan(
     \b
       indexer scan by_city --low '"Berlin"' --high '"Oslo"' --limit 10
       indexer scan by_age --order desc --limit 5 --consistency request_plus
+      indexer scan by_city --all --limit 1000 > by_city.jsonl
     """
     import httpx
 
     _index_name(name)
     params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
+    if all_pages and limit is None:
+        limit = DEFAULT_PAGE
     if limit is not None:
         params["limit"] = limit
+    if offset:
+        params["offset"] = offset
     if order == "desc":
         params["order"] = "desc"
     if cluster_map is not None:
         if daemon.url is not None:
             fail("give --url or --cluster-map, not both", 2)
-        if order == "desc":
-            fail("--order desc reads one daemon: a cluster map's scan merges in index order", 2)
+        if order == "desc" or offset or all_pages:
+            fail("--order desc, --offset and --all read one daemon, not a cluster map", 2)
         # The nodes' addresses come from the map; a configuration gives its token and TLS.
         config = _config(daemon.config_file) if daemon.config_file is not None else None
         bearer, context = _client_security(config, daemon.token, daemon.token_file, daemon.tls_ca)
@@ -344,25 +361,36 @@ def scan(
     api = daemon.connect()
     base = api.base
     try:
-        with httpx.stream(
-            "GET",
-            f"{base}/indexes/{name}/scan",
-            params=params,
-            timeout=timeout + 30,
-            headers=api.headers,
-            verify=api.verify,
-        ) as response:
-            if response.status_code != 200:
-                response.read()
-                _http_error(response)
-            out = sys.stdout
-            for line in response.iter_lines():
-                if line:
-                    out.write(line + "\n")
+        while True:
+            with httpx.stream(
+                "GET",
+                f"{base}/indexes/{name}/scan",
+                params=params,
+                timeout=timeout + 30,
+                headers=api.headers,
+                verify=api.verify,
+            ) as response:
+                if response.status_code != 200:
+                    response.read()
+                    _http_error(response)
+                out = sys.stdout
+                for line in response.iter_lines():
+                    if line:
+                        out.write(line + "\n")
+                token = response.headers.get(NEXT_HEADER)
+            if not all_pages or token is None:
+                return
+            # The next page: the same range, from the token's snapshot and place.
+            params = {k: v for k, v in params.items() if k in PAGE_PARAMS}
+            params["next"] = token
     except httpx.HTTPError as exc:
         fail(f"cannot reach the daemon at {base}: {exc}")
     except BrokenPipeError:
         sys.stderr.close()
+
+
+DEFAULT_PAGE = 10_000  # entries per page of `indexer scan --all`
+PAGE_PARAMS = ("eq", "low", "high", "inclusion", "limit")  # what a next page asks again
 
 
 def _scan_cluster(

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import trio
 
-from indexer.client import NDJSON, RETRY_AFTER, SEQNO_SUM_HEADER, SNAPSHOT_HEADER
+from indexer.client import NDJSON, NEXT_HEADER, RETRY_AFTER, SEQNO_SUM_HEADER, SNAPSHOT_HEADER
 from indexer.http.admin import AdminRoutes
 from indexer.http.wire import (
     ARROW,
@@ -37,6 +40,7 @@ from indexer.scans import (
     COLUMN_KINDS,
     EntryBatch,
     KeyRange,
+    after,
     column_kind,
     count_entries,
     entry_batches,
@@ -44,6 +48,8 @@ from indexer.scans import (
     key_types,
     lookup,
     more_than,
+    page,
+    page_batches,
     parse_json_param,
     splits,
 )
@@ -68,6 +74,49 @@ def _column_kinds(text: str | None, count: int) -> list[str]:
             f"{', '.join(COLUMN_KINDS)}; not {text!r}",
         )
     return kinds
+
+
+PAGE_LEASE_S = 120.0  # the lease of a pin made for pages, renewed by every page
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What a `next` token says: the index, the pin of the pages' snapshot (and whether the
+    daemon made it for them), the last entry read and the order."""
+
+    index: str
+    pin: str
+    ours: bool
+    after: bytes
+    descending: bool
+
+    def encode(self) -> str:
+        value = [self.index, self.pin, self.ours, self.after.hex(), self.descending]
+        return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, token: str) -> Continuation:
+        try:
+            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+            index, pin, ours, entry, descending = json.loads(raw)
+            return cls(str(index), str(pin), bool(ours), bytes.fromhex(entry), bool(descending))
+        except (ValueError, TypeError):
+            raise ApiError(400, "next: not a token a page gave") from None
+
+
+def _continuation(query: dict[str, str], index: str) -> Continuation:
+    """The `next` parameter, checked: the pages' snapshot and order are the token's."""
+    taken = [p for p in ("pin", "consistency", "at_plus", "timeout", "offset") if p in query]
+    if taken:
+        raise ApiError(
+            400, f"{', '.join(taken)}: not taken with next, which reads on where the page ended"
+        )
+    continued = Continuation.decode(query["next"])
+    if continued.index != index:
+        raise ApiError(400, f"next: a token of index {continued.index!r}, not {index!r}")
+    if "order" in query and (query["order"] == "desc") != continued.descending:
+        raise ApiError(400, "order: the pages keep the order of the first")
+    return continued
 
 
 def _descending(query: dict[str, str]) -> bool:
@@ -256,7 +305,28 @@ class ScanRoutes(AdminRoutes):
         if most and not count_only and limit is not None and limit > most:
             self._too_many_rows(f"limit={limit} is over the {most} rows")
         bounds = self._range(index, query)
-        snap = (await self._read_snapshot(query)).acquire()
+        descending = _descending(query)
+        offset = 0
+        if "offset" in query:
+            offset = int(_number(query["offset"], "offset", 0, 2**62))
+        continued = None
+        if "next" in query and not count_only:
+            continued = _continuation(query, index.definition.name)
+            descending = continued.descending
+            bounds = after(bounds, continued.after, descending)
+            pinned = self.view.snapshots.pins.get(continued.pin)
+            if pinned is None:
+                raise ApiError(
+                    404,
+                    "the snapshot of these pages is no longer pinned (a page came more than "
+                    f"{PAGE_LEASE_S:g} s after the one before): scan again from the start",
+                )
+            if continued.ours:
+                self.view.snapshots.renew(continued.pin, PAGE_LEASE_S)
+            found = pinned.snapshot
+        else:
+            found = await self._read_snapshot(query)
+        snap = found.acquire()
         try:
             if not snap.is_open:
                 raise ApiError(410, "the snapshot was released")
@@ -274,17 +344,22 @@ class ScanRoutes(AdminRoutes):
                     )
                 await _json(send, 200, {"count": n, "snapshot": snap.number}, meta)
                 return 0
-            chunks = _RowCount(
-                entry_batches(
-                    self.view.store,
-                    index,
-                    snap.store_snapshot,
-                    bounds,
-                    limit,
-                    SCAN_CHUNK,
-                    reverse=_descending(query),
-                )
-            )
+            if limit is not None:  # a page: read whole first, so its last entry makes `next`
+                entries = await trio.to_thread.run_sync(
+                    page, self.view.store, index, snap.store_snapshot, bounds, offset, limit,
+                    descending,
+                )  # fmt: skip
+                if limit and len(entries) == limit:
+                    meta[NEXT_HEADER] = self._next_token(
+                        index, snap, query, continued, entries[-1], descending
+                    )
+                batches = page_batches(index, entries, SCAN_CHUNK)
+            else:
+                batches = entry_batches(
+                    self.view.store, index, snap.store_snapshot, bounds, None, SCAN_CHUNK,
+                    reverse=descending, offset=offset,
+                )  # fmt: skip
+            chunks = _RowCount(batches)
             self.active_scans += 1
             try:
                 if ARROW in headers.get("accept", ""):
@@ -357,6 +432,26 @@ class ScanRoutes(AdminRoutes):
             await send({"type": "http.response.body", "body": sink.take(), "more_body": True})
         writer.close()
         await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
+
+    def _next_token(
+        self,
+        index: StoredIndex,
+        snap: StabilitySnapshot,
+        query: dict[str, str],
+        continued: Continuation | None,
+        last: bytes,
+        descending: bool,
+    ) -> str:
+        """The continuation of a full page: the pin of its snapshot (the request's, or one made
+        here under a short lease, renewed by every page) and the last entry read."""
+        if continued is not None:
+            pin_id, ours = continued.pin, continued.ours
+        elif "pin" in query:
+            pin_id, ours = query["pin"], False
+        else:
+            pin_id, ours = self.view.snapshots.pin(snap, PAGE_LEASE_S).pin_id, True
+        entry = last[len(index.main_prefix) :]
+        return Continuation(index.definition.name, pin_id, ours, entry, descending).encode()
 
     async def lookup(
         self, index: StoredIndex, docid: str, query: dict[str, str], send: Send

@@ -38,7 +38,7 @@ SNAPSHOT_PARAMS = ("consistency", "at_plus", "timeout", "pin")
 COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", *SNAPSHOT_PARAMS)
 
 ACTION_PARAMS = {
-    "scan": (*COUNT_PARAMS, "limit", "columns", "order"),
+    "scan": (*COUNT_PARAMS, "limit", "columns", "order", "offset", "next"),
     "count": COUNT_PARAMS,
     "splits": ("parts", *SNAPSHOT_PARAMS),
     "types": SNAPSHOT_PARAMS,
