@@ -333,8 +333,7 @@ def scan(
 
     \b
       indexer scan by_city --low '"Berlin"' --high '"Oslo"' --limit 10
-      indexer scan by_age --order desc --limit 5 --consistency request_plus
-      indexer scan by_city --all --limit 1000 > by_city.jsonl
+      indexer scan by_age --order desc --all --limit 1000 > by_age.jsonl
     """
     import httpx
 
