@@ -417,11 +417,14 @@ def column_value(kind: str, value: Any) -> Any:
     return float(value)
 
 
-def typed_columns(batch: EntryBatch, kinds: Sequence[str]) -> list[pa.Array]:
-    """The key columns of a batch, position j as a column of kinds[j]: values are converted
-    once per distinct key, then taken row by row in Arrow."""
+def typed_columns(
+    batch: EntryBatch, kinds: Sequence[str], positions: Sequence[int] | None = None
+) -> list[pa.Array]:
+    """The key columns of a batch (those at `positions`, default all), position j as a column
+    of kinds[j]: values are converted once per distinct key, then taken row by row in Arrow."""
     columns = []
-    for j, kind in enumerate(kinds):
+    for j in range(len(kinds)) if positions is None else positions:
+        kind = kinds[j]
         values = pa.array([column_value(kind, key[j]) for key in batch.keys], COLUMN_KINDS[kind])
         columns.append(values.take(batch.codes))
     return columns

@@ -298,6 +298,11 @@ def _query_params(
 )
 @click.option("--offset", type=click.IntRange(0), metavar="N", help="Skip the first N entries.")
 @click.option(
+    "--fields",
+    metavar="NAME",
+    help="Print only these key paths and id, comma-separated (like age,id), in that order.",
+)
+@click.option(
     "--order",
     type=click.Choice(["asc", "desc"]),
     default="asc",
@@ -322,6 +327,7 @@ def scan(
     limit: int | None,
     all_pages: bool,
     offset: int | None,
+    fields: str | None,
     order: str,
     timeout: float,
     cluster_map: Path | None,
@@ -345,13 +351,15 @@ def scan(
         params["limit"] = limit
     if offset:
         params["offset"] = offset
+    if fields is not None:
+        params["fields"] = fields
     if order == "desc":
         params["order"] = "desc"
     if cluster_map is not None:
         if daemon.url is not None:
             fail("give --url or --cluster-map, not both", 2)
-        if order == "desc" or offset or all_pages:
-            fail("--order desc, --offset and --all read one daemon, not a cluster map", 2)
+        if order == "desc" or offset or all_pages or fields is not None:
+            fail("--order desc, --offset, --all and --fields read one daemon, not a cluster map", 2)
         # The nodes' addresses come from the map; a configuration gives its token and TLS.
         config = _config(daemon.config_file) if daemon.config_file is not None else None
         bearer, context = _client_security(config, daemon.token, daemon.token_file, daemon.tls_ca)
@@ -389,7 +397,8 @@ def scan(
 
 
 DEFAULT_PAGE = 10_000  # entries per page of `indexer scan --all`
-PAGE_PARAMS = ("eq", "low", "high", "inclusion", "limit")  # what a next page asks again
+# What a next page asks again: the range, the page's size and what its rows hold.
+PAGE_PARAMS = ("eq", "low", "high", "inclusion", "limit", "fields")
 
 
 def _scan_cluster(

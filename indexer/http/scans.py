@@ -25,6 +25,7 @@ from indexer.http.wire import (
     MAX_LEASE_S,
     SCAN_CHUNK,
     ApiError,
+    Projection,
     Send,
     _arrow_chunk,
     _Chunks,
@@ -32,6 +33,7 @@ from indexer.http.wire import (
     _json,
     _ndjson_chunk,
     _number,
+    _projection,
     _RowCount,
     _start,
     _vector,
@@ -367,7 +369,8 @@ class ScanRoutes(AdminRoutes):
                 else:
                     if "columns" in query:
                         raise ApiError(400, "columns: for Arrow scans (Accept: " + ARROW + ")")
-                    await self._stream_ndjson(chunks, send, meta)
+                    projection = _projection(query, index.definition.keys)
+                    await self._stream_ndjson(chunks, send, meta, projection)
             finally:
                 self.active_scans -= 1
             return chunks.rows
@@ -398,10 +401,16 @@ class ScanRoutes(AdminRoutes):
         )
 
     async def _stream_ndjson(
-        self, chunks: Iterator[EntryBatch], send: Send, meta: dict[str, str]
+        self,
+        chunks: Iterator[EntryBatch],
+        send: Send,
+        meta: dict[str, str],
+        projection: Projection,
     ) -> None:
         await _start(send, 200, NDJSON, meta)
-        while (body := await trio.to_thread.run_sync(_ndjson_chunk, chunks)) is not None:
+        while (
+            body := await trio.to_thread.run_sync(_ndjson_chunk, chunks, projection)
+        ) is not None:
             await send({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -416,9 +425,12 @@ class ScanRoutes(AdminRoutes):
     ) -> None:
         paths = index.definition.keys
         kinds = _column_kinds(query.get("columns"), len(paths))
+        projection = _projection(query, paths)
+        fields = [pa.field(paths[j], COLUMN_KINDS[kinds[j]]) for j in projection.positions]
+        if projection.with_id:
+            fields.insert(projection.id_at, pa.field("id", pa.string()))
         schema = pa.schema(
-            [pa.field("id", pa.string())]
-            + [pa.field(p, COLUMN_KINDS[k]) for p, k in zip(paths, kinds, strict=True)],
+            fields,
             metadata={
                 "indexer.snapshot": str(snap.number),
                 "indexer.seqno_sum": str(snap.timestamp.total),
@@ -428,7 +440,9 @@ class ScanRoutes(AdminRoutes):
         writer = pa.ipc.new_stream(sink, schema)
         await _start(send, 200, ARROW, meta)
         # Decoding, JSON texts and the Arrow batch are built in the thread, off the event loop.
-        while await trio.to_thread.run_sync(_arrow_chunk, chunks, writer, schema, kinds):
+        while await trio.to_thread.run_sync(
+            _arrow_chunk, chunks, writer, schema, kinds, projection
+        ):
             await send({"type": "http.response.body", "body": sink.take(), "more_body": True})
         writer.close()
         await send({"type": "http.response.body", "body": sink.take(), "more_body": False})

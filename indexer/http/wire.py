@@ -8,6 +8,7 @@ import json
 import math
 import re
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -38,7 +39,7 @@ SNAPSHOT_PARAMS = ("consistency", "at_plus", "timeout", "pin")
 COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", *SNAPSHOT_PARAMS)
 
 ACTION_PARAMS = {
-    "scan": (*COUNT_PARAMS, "limit", "columns", "order", "offset", "next"),
+    "scan": (*COUNT_PARAMS, "limit", "columns", "order", "offset", "next", "fields"),
     "count": COUNT_PARAMS,
     "splits": ("parts", *SNAPSHOT_PARAMS),
     "types": SNAPSHOT_PARAMS,
@@ -106,35 +107,71 @@ class _RowCount:
         return batch
 
 
-def _ndjson_chunk(batches: Iterator[EntryBatch]) -> bytes | None:
+@dataclass(frozen=True)
+class Projection:
+    """What a scan's rows hold (`fields=`): these key positions, in this order, and the id."""
+
+    positions: tuple[int, ...]
+    with_id: bool = True
+    id_at: int = 0  # where the id column goes among an Arrow batch's columns
+
+
+def _projection(query: dict[str, str], paths: Sequence[str]) -> Projection:
+    """The `fields` parameter: key paths and `id`, comma-separated (default: all, then id)."""
+    if "fields" not in query:
+        return Projection(tuple(range(len(paths))))
+    names = [n.strip() for n in query["fields"].split(",")]
+    unknown = [n for n in names if n != "id" and n not in paths]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ApiError(
+            400,
+            f"fields: key paths of the index ({', '.join(paths)}) and id, each once, "
+            f"comma-separated; not {query['fields']!r}",
+        )
+    positions = tuple(paths.index(n) for n in names if n != "id")
+    return Projection(positions, "id" in names, names.index("id") if "id" in names else 0)
+
+
+def _ndjson_chunk(batches: Iterator[EntryBatch], projection: Projection) -> bytes | None:
     """The next batch of rows as NDJSON lines (the JSON of a key is built once per batch)."""
     batch = next(batches, None)
     if batch is None:
         return None
     heads = []
     tails = []
+    positions = projection.positions
     for values in batch.keys:
-        row = Row(values, "").as_json()
-        heads.append('{"key": ' + json_encode(row["key"]) + ', "id": ')
+        row = Row([values[j] for j in positions], "").as_json()
+        head = '{"key": ' + json_encode(row["key"])
+        heads.append(head + ', "id": ' if projection.with_id else head)
         tails.append(
             ', "missing": ' + json_encode(row["missing"]) + "}\n" if "missing" in row else "}\n"
         )
+    codes = batch.codes.to_pylist()
+    if not projection.with_id:
+        return "".join(heads[c] + tails[c] for c in codes).encode()
     lines = [
         heads[c] + json_encode(docid) + tails[c]
-        for c, docid in zip(batch.codes.to_pylist(), batch.docids.to_pylist(), strict=True)
+        for c, docid in zip(codes, batch.docids.to_pylist(), strict=True)
     ]
     return "".join(lines).encode()
 
 
 def _arrow_chunk(
-    batches: Iterator[EntryBatch], writer: Any, schema: pa.Schema, kinds: Sequence[str]
+    batches: Iterator[EntryBatch],
+    writer: Any,
+    schema: pa.Schema,
+    kinds: Sequence[str],
+    projection: Projection,
 ) -> bool:
-    """Write the next batch of rows as one record batch (the key columns of `kinds`); False at
-    the end."""
+    """Write the next batch of rows as one record batch (the id and the key columns of the
+    projection, of `kinds`); False at the end."""
     batch = next(batches, None)
     if batch is None:
         return False
-    columns = [batch.docids, *typed_columns(batch, kinds)]
+    columns = typed_columns(batch, kinds, projection.positions)
+    if projection.with_id:
+        columns.insert(projection.id_at, batch.docids)
     writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
     return True
 

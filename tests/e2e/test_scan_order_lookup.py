@@ -145,3 +145,54 @@ def test_pages_read_one_snapshot_while_writes_go_on(daemon_factory: Any, tmp_pat
     assert listed.returncode == 0, listed.stderr
     assert [json.loads(line) for line in listed.stdout.splitlines()] == now
     assert daemon.stop() == 0
+
+
+def test_fields_choose_the_key_positions_and_the_id(daemon_factory: Any, tmp_path: Path) -> None:
+    daemon = daemon_factory().start()
+    documents = list(generate(Workload(2_000, 800, 0.1, 80)))
+    fed = run_feed(daemon, write_jsonl(tmp_path / "docs.jsonl", documents))
+    assert fed.returncode == 0, fed.stderr
+    url = f"{daemon.url}/indexes/by_city/scan"
+    full = model(documents, INDEXES["by_city"])
+
+    def projected(entry: dict[str, Any], positions: list[int], with_id: bool) -> dict[str, Any]:
+        missing = set(entry.get("missing", []))
+        out: dict[str, Any] = {"key": [entry["key"][j] for j in positions]}
+        if with_id:
+            out["id"] = entry["id"]
+        gone = [i for i, j in enumerate(positions) if j in missing]
+        if gone:
+            out["missing"] = gone
+        return out
+
+    for fields, positions, with_id in (
+        ("age,id", [1], True),
+        ("age,address.city", [1, 0], False),
+        ("id", [], True),
+    ):
+        assert ndjson(url, fields=fields) == [projected(e, positions, with_id) for e in full]
+    # Arrow: the columns asked for, in that order.
+    arrow = httpx.get(
+        url,
+        params={"fields": "age,id", "columns": "json,double"},
+        headers={"accept": "application/vnd.apache.arrow.stream"},
+        timeout=60,
+    )
+    assert arrow.status_code == 200, arrow.text
+    import pyarrow as pa
+
+    table = pa.ipc.open_stream(arrow.content).read_all()
+    assert table.column_names == ["age", "id"] and table.schema.field("age").type == pa.float64()
+    assert table.column("id").to_pylist() == [e["id"] for e in full]
+    for bad in ("nope", "age,age", ""):
+        answer = httpx.get(url, params={"fields": bad})
+        assert answer.status_code == 400 and "fields:" in answer.json()["error"], answer.text
+    listed = subprocess.run(
+        indexer_command("scan", "by_city", "--fields", "id", "--limit", "3", "--url", daemon.url),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line) for line in listed.stdout.splitlines()] == [
+        {"key": [], "id": e["id"]} for e in full[:3]
+    ]
+    assert daemon.stop() == 0
