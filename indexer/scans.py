@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,28 @@ class KeyRange:
 
     start: bytes | None = None
     stop: bytes | None = None
+
+
+# A scan's bounds: one range, or several disjoint ones in index order (several spans).
+Bounds = KeyRange | tuple[KeyRange, ...]
+
+
+def merge_spans(ranges: Sequence[KeyRange]) -> tuple[KeyRange, ...]:
+    """Ranges as disjoint ranges in index order, overlapping and touching ones merged: a scan
+    of several spans reads each entry once, in index order."""
+    low = b""
+    ordered = sorted(ranges, key=lambda r: r.start or low)
+    out: list[KeyRange] = []
+    for r in ordered:
+        if r.start is not None and r.stop is not None and r.start >= r.stop:
+            continue  # empty
+        if out and (out[-1].stop is None or (r.start or low) <= out[-1].stop):
+            last = out[-1]
+            stop = None if last.stop is None or r.stop is None else max(last.stop, r.stop)
+            out[-1] = KeyRange(last.start, stop)
+        else:
+            out.append(r)
+    return tuple(out)
 
 
 def _prefix(value: Any, nkeys: int, what: str) -> bytes:
@@ -106,7 +128,7 @@ def iterate(
     store: IndexStore,
     index: StoredIndex,
     snapshot: Any,
-    bounds: KeyRange,
+    bounds: Bounds,
     limit: int | None = None,
     reverse: bool = False,
 ) -> Iterator[Row]:
@@ -123,7 +145,7 @@ def page(
     store: IndexStore,
     index: StoredIndex,
     snapshot: Any,
-    bounds: KeyRange,
+    bounds: Bounds,
     offset: int,
     limit: int,
     reverse: bool = False,
@@ -144,9 +166,16 @@ def page_batches(
         yield _split_batch(entries[start : start + chunk], cut, count)
 
 
-def after(bounds: KeyRange, entry: bytes, reverse: bool) -> KeyRange:
+def after(bounds: Bounds, entry: bytes, reverse: bool) -> Bounds:
     """`bounds` less everything up to `entry` (an entry's bytes after the index prefix) in the
     order read: what the page after the one that ended at `entry` reads."""
+    if isinstance(bounds, tuple):
+        cut = (after(b, entry, reverse) for b in bounds)
+        return tuple(
+            r
+            for r in cut
+            if isinstance(r, KeyRange) and (r.start is None or r.stop is None or r.start < r.stop)
+        )
     if reverse:
         stop = entry if bounds.stop is None else min(bounds.stop, entry)
         return KeyRange(bounds.start, stop)
@@ -167,12 +196,12 @@ def lookup(store: IndexStore, index: StoredIndex, snapshot: Any, docid: str) -> 
     return [Row(values, docid)]
 
 
-def count_entries(store: IndexStore, index: StoredIndex, snapshot: Any, bounds: KeyRange) -> int:
+def count_entries(store: IndexStore, index: StoredIndex, snapshot: Any, bounds: Bounds) -> int:
     return sum(1 for _ in _entries(store, index, snapshot, bounds))
 
 
 def more_than(
-    store: IndexStore, index: StoredIndex, snapshot: Any, bounds: KeyRange, most: int
+    store: IndexStore, index: StoredIndex, snapshot: Any, bounds: Bounds, most: int
 ) -> bool:
     """Whether `bounds` holds more than `most` entries: reads at most most + 1 keys (blocking)."""
     return sum(1 for _ in _entries(store, index, snapshot, bounds, most + 1)) > most
@@ -182,12 +211,18 @@ def _entries(
     store: IndexStore,
     index: StoredIndex,
     snapshot: Any,
-    bounds: KeyRange,
+    bounds: Bounds,
     limit: int | None = None,
     reverse: bool = False,
 ) -> Iterator[bytes]:
     """Main-index entry keys (prefix included) within `bounds`, from a snapshot or the store;
     in index order, or with `reverse` in the opposite order."""
+    if isinstance(bounds, tuple):  # several spans, disjoint and in index order
+        ordered = reversed(bounds) if reverse else bounds
+        chained = chain.from_iterable(
+            _entries(store, index, snapshot, b, None, reverse) for b in ordered
+        )
+        return chained if limit is None else islice(chained, limit)
     prefix = index.main_prefix
     start = prefix + (bounds.start or b"")
     stop = prefix + bounds.stop if bounds.stop is not None else _after(prefix)
@@ -262,7 +297,7 @@ def entry_batches(
     store: IndexStore,
     index: StoredIndex,
     snapshot: Any,
-    bounds: KeyRange,
+    bounds: Bounds,
     limit: int | None = None,
     chunk: int = 8192,
     reverse: bool = False,

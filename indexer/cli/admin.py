@@ -211,6 +211,12 @@ def query_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "--high", metavar="JSON", help="The upper bound (a value, or a list: a key prefix)."
         ),
         click.option(
+            "--spans",
+            metavar="JSON",
+            help="Several ranges in one scan, read in index order, each entry once: "
+            '[{"eq": V}, {"low": V, "high": V, "inclusion": "both"}, ...].',
+        ),
+        click.option(
             "--inclusion",
             type=click.Choice(["both", "low", "high", "neither"]),
             default="both",
@@ -250,6 +256,7 @@ def _query_params(
     eq: str | None,
     low: str | None,
     high: str | None,
+    spans: str | None,
     inclusion: str,
     consistency: str,
     at_plus: str | None,
@@ -258,12 +265,12 @@ def _query_params(
     """The query string of `query_options`' values; exit 2 when they are not JSON or clash."""
     if eq is not None and (low is not None or high is not None):
         fail("give --eq or --low/--high, not both", 2)
-    params: dict[str, Any] = {
-        "consistency": consistency,
-        "inclusion": inclusion,
-        "timeout": timeout,
-    }
-    for key, value in (("eq", eq), ("low", low), ("high", high)):
+    if spans is not None and (eq is not None or low is not None or high is not None):
+        fail("give --spans or --eq/--low/--high, not both", 2)
+    params: dict[str, Any] = {"consistency": consistency, "timeout": timeout}
+    if spans is None:
+        params["inclusion"] = inclusion
+    for key, value in (("eq", eq), ("low", low), ("high", high), ("spans", spans)):
         if value is not None:
             try:
                 json.loads(value)
@@ -321,6 +328,7 @@ def scan(
     eq: str | None,
     low: str | None,
     high: str | None,
+    spans: str | None,
     inclusion: str,
     consistency: str,
     at_plus: str | None,
@@ -344,7 +352,7 @@ def scan(
     import httpx
 
     _index_name(name)
-    params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
+    params = _query_params(eq, low, high, spans, inclusion, consistency, at_plus, timeout)
     if all_pages and limit is None:
         limit = DEFAULT_PAGE
     if limit is not None:
@@ -398,7 +406,7 @@ def scan(
 
 DEFAULT_PAGE = 10_000  # entries per page of `indexer scan --all`
 # What a next page asks again: the range, the page's size and what its rows hold.
-PAGE_PARAMS = ("eq", "low", "high", "inclusion", "limit", "fields")
+PAGE_PARAMS = ("eq", "low", "high", "spans", "inclusion", "limit", "fields")
 
 
 def _scan_cluster(
@@ -471,6 +479,7 @@ def count(
     eq: str | None,
     low: str | None,
     high: str | None,
+    spans: str | None,
     inclusion: str,
     consistency: str,
     at_plus: str | None,
@@ -486,7 +495,7 @@ def count(
       indexer count by_age --low 18 --high 30 --inclusion low
     """
     _index_name(name)
-    params = _query_params(eq, low, high, inclusion, consistency, at_plus, timeout)
+    params = _query_params(eq, low, high, spans, inclusion, consistency, at_plus, timeout)
     # The daemon answers 504 after `timeout`: the client waits a little longer.
     answer = _get_json(daemon.connect(), f"/indexes/{name}/count", params, timeout + 30)
     click.echo(answer["count"])

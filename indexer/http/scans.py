@@ -40,6 +40,7 @@ from indexer.http.wire import (
 )
 from indexer.scans import (
     COLUMN_KINDS,
+    Bounds,
     EntryBatch,
     KeyRange,
     after,
@@ -49,6 +50,7 @@ from indexer.scans import (
     key_range,
     key_types,
     lookup,
+    merge_spans,
     more_than,
     page,
     page_batches,
@@ -62,6 +64,7 @@ log = logging.getLogger("indexer.http")
 
 
 TYPES_CACHE = 16  # answers of /types kept, by index and snapshot
+MAX_SPANS = 1024  # ranges in one scan's spans
 
 
 def _column_kinds(text: str | None, count: int) -> list[str]:
@@ -237,7 +240,9 @@ class ScanRoutes(AdminRoutes):
         answer["scan_cores"] = serving_cores()
         await _json(send, 200, answer)
 
-    def _range(self, index: StoredIndex, query: dict[str, str]) -> KeyRange:
+    def _range(self, index: StoredIndex, query: dict[str, str]) -> Bounds:
+        if "spans" in query:
+            return self._spans(index, query)
         nkeys = len(index.definition.keys)
         params = {}
         for name in ("eq", "low", "high"):
@@ -258,6 +263,36 @@ class ScanRoutes(AdminRoutes):
         lo = max((b for b in (bounds.start, start) if b is not None), default=None)
         hi = min((b for b in (bounds.stop, stop) if b is not None), default=None)
         return KeyRange(lo, hi)
+
+    def _spans(self, index: StoredIndex, query: dict[str, str]) -> tuple[KeyRange, ...]:
+        """`spans=[{"eq": V} or {"low": V, "high": V, "inclusion": ...}, ...]`: several ranges
+        in one scan, read in index order, an entry in several of them once."""
+        clash = [p for p in ("eq", "low", "high", "inclusion", "start", "stop") if p in query]
+        if clash:
+            raise ApiError(400, f"{', '.join(clash)}: give the range in spans, or no spans")
+        spans = parse_json_param("spans", query["spans"])
+        if not isinstance(spans, list) or not spans or len(spans) > MAX_SPANS:
+            raise ApiError(400, f"spans: a list of 1 to {MAX_SPANS} spans")
+        nkeys = len(index.definition.keys)
+        ranges = []
+        for span in spans:
+            if not isinstance(span, dict) or not set(span) <= {"eq", "low", "high", "inclusion"}:
+                raise ApiError(
+                    400, 'spans: each one {"eq": V} or {"low": V, "high": V, "inclusion": ...}'
+                )
+            ranges.append(
+                key_range(
+                    nkeys,
+                    eq=span.get("eq"),
+                    low=span.get("low"),
+                    high=span.get("high"),
+                    inclusion=span.get("inclusion", "both"),
+                    has_eq="eq" in span,
+                    has_low="low" in span,
+                    has_high="high" in span,
+                )
+            )
+        return merge_spans(ranges)
 
     async def _read_snapshot(self, query: dict[str, str]) -> StabilitySnapshot:
         """The snapshot a read asks for: its pin's, or one at its consistency. `at_plus` alone
@@ -340,7 +375,7 @@ class ScanRoutes(AdminRoutes):
             }
             if count_only:
                 n = snap.entry_counts.get(index.definition.name)
-                if n is None or bounds.start is not None or bounds.stop is not None:
+                if n is None or bounds != KeyRange():
                     n = await trio.to_thread.run_sync(
                         count_entries, self.view.store, index, snap.store_snapshot, bounds
                     )
@@ -378,7 +413,7 @@ class ScanRoutes(AdminRoutes):
             snap.release()
 
     async def _check_rows(
-        self, index: StoredIndex, snap: StabilitySnapshot, bounds: KeyRange, most: int
+        self, index: StoredIndex, snap: StabilitySnapshot, bounds: Bounds, most: int
     ) -> None:
         """413 before any row is sent when a scan without a limit would pass `most` rows:
         counted on the snapshot it reads, up to most + 1 entries (none when the whole index

@@ -36,7 +36,7 @@ READ_METHODS = ("GET", "HEAD")
 # The query parameters each route takes; any other is a 400 (ROUTE_PARAMS: none).
 SNAPSHOT_PARAMS = ("consistency", "at_plus", "timeout", "pin")
 
-COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", *SNAPSHOT_PARAMS)
+COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", "spans", *SNAPSHOT_PARAMS)
 
 ACTION_PARAMS = {
     "scan": (*COUNT_PARAMS, "limit", "columns", "order", "offset", "next", "fields"),

@@ -94,7 +94,7 @@ def pages(url: str, **params: Any) -> tuple[list[dict[str, Any]], int]:
         token = answer.headers.get("x-indexer-next")
         if token is None:
             return rows, count
-        kept = {k: v for k, v in params.items() if k in ("low", "high", "eq", "limit")}
+        kept = {k: v for k, v in params.items() if k in ("low", "high", "eq", "spans", "limit")}
         params = {**kept, "next": token}
 
 
@@ -195,4 +195,48 @@ def test_fields_choose_the_key_positions_and_the_id(daemon_factory: Any, tmp_pat
     assert [json.loads(line) for line in listed.stdout.splitlines()] == [
         {"key": [], "id": e["id"]} for e in full[:3]
     ]
+    assert daemon.stop() == 0
+
+
+def test_spans_read_several_ranges_in_index_order_each_entry_once(
+    daemon_factory: Any, tmp_path: Path
+) -> None:
+    daemon = daemon_factory().start()
+    documents = list(generate(Workload(4_000, 1_500, 0.1, 81)))
+    fed = run_feed(daemon, write_jsonl(tmp_path / "docs.jsonl", documents))
+    assert fed.returncode == 0, fed.stderr
+    url = f"{daemon.url}/indexes/by_age"
+    ages = model(documents, INDEXES["by_age"])
+
+    def number(entry: dict[str, Any]) -> bool:
+        value = entry["key"][0]
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    # An IN list and overlapping ranges, out of order and repeated: merged, once each.
+    spans = [{"low": 55, "high": 70}, {"eq": 30}, {"low": 50, "high": 60}, {"eq": 30}, {"eq": 12}]
+    want = [e for e in ages if number(e) and (e["key"][0] in (12, 30) or 50 <= e["key"][0] <= 70)]
+    assert len(want) > 100
+    text = json.dumps(spans)
+    assert ndjson(f"{url}/scan", spans=text) == want
+    assert ndjson(f"{url}/scan", spans=text, order="desc") == want[::-1]
+    counted = httpx.get(f"{url}/count", params={"spans": text}).json()["count"]
+    assert counted == len(want)
+    assert pages(f"{url}/scan", spans=text, limit=37)[0] == want
+    exclusive = json.dumps([{"low": 20, "high": 30, "inclusion": "neither"}, {"eq": 30}])
+    assert ndjson(f"{url}/scan", spans=exclusive) == [
+        e for e in ages if number(e) and 20 < e["key"][0] <= 30
+    ]
+    for params, message in (
+        ({"spans": "[]"}, "spans: a list of 1 to"),
+        ({"spans": '[{"eq": 1, "nope": 2}]'}, "spans: each one"),
+        ({"spans": '[{"eq": 1}]', "low": "3"}, "give the range in spans"),
+    ):
+        answer = httpx.get(f"{url}/scan", params=params)
+        assert answer.status_code == 400 and message in answer.json()["error"], answer.text
+    counted_cli = subprocess.run(
+        indexer_command("count", "by_age", "--spans", text, "--url", daemon.url),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert counted_cli.returncode == 0, counted_cli.stderr
+    assert counted_cli.stdout.strip() == str(len(want))
     assert daemon.stop() == 0

@@ -14,6 +14,7 @@ from indexer.scans import (
     entry_batches,
     iterate,
     key_range,
+    merge_spans,
     splits,
 )
 from indexer.storage import IndexStore
@@ -134,3 +135,12 @@ def test_an_older_store_gets_docid_lengths_on_open(tmp_path: Path) -> None:
         index = store.index("by_n")
         assert [(r.key, r.docid) for r in iterate(store, index, None, KeyRange())] == expected
         assert store.count_main(index) == 100
+
+
+def test_spans_merge_into_disjoint_ranges_in_order() -> None:
+    def r(a: int | None, b: int | None) -> KeyRange:
+        return KeyRange(None if a is None else bytes([a]), None if b is None else bytes([b]))
+
+    assert merge_spans([r(5, 9), r(1, 3), r(2, 4), r(9, 12), r(20, 20)]) == (r(1, 4), r(5, 12))
+    assert merge_spans([r(5, None), r(7, 9), r(None, 2)]) == (r(None, 2), r(5, None))
+    assert merge_spans([r(None, None), r(3, 4)]) == (r(None, None),)
