@@ -124,6 +124,20 @@ def _continuation(query: dict[str, str], index: str) -> Continuation:
     return continued
 
 
+def _span_range(nkeys: int, span: dict[str, Any]) -> KeyRange:
+    """The bounds of one span: an equality or a range on the key or a prefix of it."""
+    return key_range(
+        nkeys,
+        eq=span.get("eq"),
+        low=span.get("low"),
+        high=span.get("high"),
+        inclusion=span.get("inclusion", "both"),
+        has_eq="eq" in span,
+        has_low="low" in span,
+        has_high="high" in span,
+    )
+
+
 def _descending(query: dict[str, str]) -> bool:
     """The `order` parameter of a scan: asc (index order, the default) or desc."""
     order = query.get("order", "asc")
@@ -243,21 +257,14 @@ class ScanRoutes(AdminRoutes):
     def _range(self, index: StoredIndex, query: dict[str, str]) -> Bounds:
         if "spans" in query:
             return self._spans(index, query)
-        nkeys = len(index.definition.keys)
-        params = {}
-        for name in ("eq", "low", "high"):
-            if name in query:
-                params[name] = parse_json_param(name, query[name])
-        bounds = key_range(
-            nkeys,
-            eq=params.get("eq"),
-            low=params.get("low"),
-            high=params.get("high"),
-            inclusion=query.get("inclusion", "both"),
-            has_eq="eq" in params,
-            has_low="low" in params,
-            has_high="high" in params,
-        )
+        span: dict[str, Any] = {
+            name: parse_json_param(name, query[name])
+            for name in ("eq", "low", "high")
+            if name in query
+        }
+        if "inclusion" in query:
+            span["inclusion"] = query["inclusion"]
+        bounds = _span_range(len(index.definition.keys), span)
         start = _hex(query, "start")
         stop = _hex(query, "stop")
         lo = max((b for b in (bounds.start, start) if b is not None), default=None)
@@ -280,18 +287,7 @@ class ScanRoutes(AdminRoutes):
                 raise ApiError(
                     400, 'spans: each one {"eq": V} or {"low": V, "high": V, "inclusion": ...}'
                 )
-            ranges.append(
-                key_range(
-                    nkeys,
-                    eq=span.get("eq"),
-                    low=span.get("low"),
-                    high=span.get("high"),
-                    inclusion=span.get("inclusion", "both"),
-                    has_eq="eq" in span,
-                    has_low="low" in span,
-                    has_high="high" in span,
-                )
-            )
+            ranges.append(_span_range(nkeys, span))
         return merge_spans(ranges)
 
     async def _read_snapshot(self, query: dict[str, str]) -> StabilitySnapshot:
