@@ -87,6 +87,7 @@ HTTP_REPEATS = 3
 SPARK_REPEATS = 2
 RAW_REPEATS = 5
 DECODE_REPEATS = 3
+PUSHDOWN_REPEATS = 3  # each of the aggregate and spans measurements
 FEED_TICK_S = 0.05
 WARMUP_S = 2.0
 ANY_EVERY = 4
@@ -366,6 +367,7 @@ def stream_in_process(store: IndexStore, index: StoredIndex, arrow: bool) -> int
     only counts bytes.
     """
     from indexer.http import HttpApi
+    from indexer.http.wire import Projection
 
     api = object.__new__(HttpApi)
     snap = cast(Any, SimpleNamespace(number=0, timestamp=SimpleNamespace(total=0)))
@@ -378,9 +380,10 @@ def stream_in_process(store: IndexStore, index: StoredIndex, arrow: bool) -> int
     async def run() -> None:
         rows = entry_batches(store, index, None, KeyRange())
         if arrow:
-            await api._stream_arrow(index, snap, rows, send, {})
+            await api._stream_arrow(index, snap, rows, send, {}, {})
         else:
-            await api._stream_ndjson(rows, send, {})
+            whole = Projection(tuple(range(len(index.definition.keys))))
+            await api._stream_ndjson(rows, send, {}, whole)
 
     trio.run(run)
     return size
@@ -739,6 +742,70 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return opts
 
 
+@dataclass
+class Pushdown:
+    """Work done in the index against the same work done in the client, in one run."""
+
+    aggregate_s: float
+    client_count_s: float
+    groups: int
+    spans_s: float
+    single_scans_s: float
+    span_rows: int
+
+
+def measure_pushdown(client: httpx.Client, daemon: Daemon) -> Pushdown:
+    """Best of PUSHDOWN_REPEATS each: a group-by count of SCAN_INDEX's leading key computed in
+    the index against a full NDJSON scan counted in this client; one scan of 10 `eq` spans (an
+    IN list of the 10 most common leading values) against 10 scans of one value each."""
+    base = f"{daemon.url}/indexes/{SCAN_INDEX}"
+    params = {"group_by": "1", "aggregates": "count"}
+
+    def in_index() -> list[dict[str, Any]]:
+        answer = client.get(f"{base}/aggregate", params=params)
+        answer.raise_for_status()
+        return [json.loads(line) for line in answer.text.splitlines()]
+
+    def in_client() -> dict[str, int]:
+        counts: dict[str, int] = {}
+        with client.stream("GET", f"{base}/scan") as answer:
+            for line in answer.iter_lines():
+                if line:
+                    lead = json.dumps(json.loads(line)["key"][0])
+                    counts[lead] = counts.get(lead, 0) + 1
+        return counts
+
+    groups, aggregate_runs = best_of(PUSHDOWN_REPEATS, lambda: len(in_index()))
+    _, client_runs = best_of(PUSHDOWN_REPEATS, lambda: len(in_client()))
+    counted = in_client()
+    by_index = {json.dumps(g["group"][0]): g["count"] for g in in_index()}
+    if by_index != counted:
+        raise RuntimeError("the aggregate's counts differ from the scan counted in the client")
+    common = sorted(counted, key=lambda k: -counted[k])[:10]
+    spans = json.dumps([{"eq": json.loads(k)} for k in common])
+
+    def one_scan() -> int:
+        answer = client.get(f"{base}/scan", params={"spans": spans})
+        answer.raise_for_status()
+        return answer.text.count("\n")
+
+    def ten_scans() -> int:
+        rows = 0
+        for k in common:
+            answer = client.get(f"{base}/scan", params={"eq": k})
+            answer.raise_for_status()
+            rows += answer.text.count("\n")
+        return rows
+
+    span_rows, spans_runs = best_of(PUSHDOWN_REPEATS, one_scan)
+    single_rows, singles_runs = best_of(PUSHDOWN_REPEATS, ten_scans)
+    if span_rows != single_rows:
+        raise RuntimeError(f"10 spans read {span_rows} rows, 10 scans {single_rows}")
+    return Pushdown(
+        min(aggregate_runs), min(client_runs), groups, min(spans_runs), min(singles_runs), span_rows
+    )
+
+
 def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Every measurement in order; the JSON summary."""
     load_start = os.getloadavg()[0]
@@ -771,8 +838,21 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 "HTTP NDJSON range scan", scan_ndjson, client, daemon, RANGE
             )
             range_arrow = measure_scan("HTTP Arrow range scan", scan_arrow, client, daemon, RANGE)
+            pushdown = measure_pushdown(client, daemon)
         for scan in (ndjson, arrow, range_ndjson, range_arrow):
             report_scan(scan)
+        aggregate_ratio = ratio(pushdown.client_count_s, pushdown.aggregate_s)
+        spans_ratio = ratio(pushdown.single_scans_s, pushdown.spans_s)
+        say(
+            f"aggregate: group-by count of {pushdown.groups} groups in the index "
+            f"{pushdown.aggregate_s * 1000:.1f} ms, a full NDJSON scan counted in the client "
+            f"{pushdown.client_count_s * 1000:.1f} ms: {aggregate_ratio}x faster (target 5x)"
+        )
+        say(
+            f"spans: one scan of 10 eq spans ({pushdown.span_rows} rows) "
+            f"{pushdown.spans_s * 1000:.1f} ms, 10 single scans "
+            f"{pushdown.single_scans_s * 1000:.1f} ms: {spans_ratio}x"
+        )
         if not ndjson.rows == arrow.rows == entries[SCAN_INDEX]:
             raise RuntimeError(
                 f"rows: NDJSON {ndjson.rows}, Arrow {arrow.rows}, index {entries[SCAN_INDEX]}"
@@ -907,11 +987,19 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "flush_p99_ms": round(percentile(latency.flush_ms, 99), 1) if latency.flush_ms else None,
         "request_plus_target_ms": round(target_ms, 1) if target_ms is not None else None,
         "feed_rate_per_s": round(feeder["sent"] / feeder["seconds"]),
+        "aggregate_ms": round(pushdown.aggregate_s * 1000, 1),
+        "client_count_ms": round(pushdown.client_count_s * 1000, 1),
+        "ratio_aggregate_vs_client": ratio(pushdown.client_count_s, pushdown.aggregate_s),
+        "spans_ms": round(pushdown.spans_s * 1000, 1),
+        "single_scans_ms": round(pushdown.single_scans_s * 1000, 1),
+        "ratio_spans_vs_single_scans": ratio(pushdown.single_scans_s, pushdown.spans_s),
         "cores": os.cpu_count(),
         "load_avg_1m": [round(load_start, 2), round(os.getloadavg()[0], 2)],
     }
+    aggregate_ratio = summary["ratio_aggregate_vs_client"]
     summary["targets_met"] = {
         "arrow_vs_raw_ge_0.5": bool(arrow_ratio is not None and arrow_ratio >= 0.5),
+        "aggregate_vs_client_ge_5": bool(aggregate_ratio is not None and aggregate_ratio >= 5),
         "request_plus_p99_le_2_intervals_plus_flush": bool(
             target_ms is not None and p99 <= target_ms
         ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import click
 
 from indexer.cli.admin import (
+    aggregate,
     compact,
     count,
     create_index,
@@ -51,6 +52,7 @@ for _command in (
     scan,
     lookup,
     count,
+    aggregate,
     health,
     create_index,
     drop_index,

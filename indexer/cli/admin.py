@@ -440,6 +440,60 @@ def _scan_cluster(
 
 @click.command()
 @click.argument("name")
+@api_options
+@query_options
+@click.option(
+    "--group-by",
+    type=click.IntRange(0),
+    metavar="N",
+    default=0,
+    show_default=True,
+    help="Group by the first N keys of the index (0: one group of every entry).",
+)
+@click.option(
+    "--aggregates",
+    metavar="NAME",
+    default="count",
+    show_default=True,
+    help="Comma-separated: count, and count_distinct, min, max, sum, avg of a key path, like "
+    "count,avg(age).",
+)
+def aggregate(
+    name: str,
+    daemon: ApiOptions,
+    eq: str | None,
+    low: str | None,
+    high: str | None,
+    spans: str | None,
+    inclusion: str,
+    consistency: str,
+    at_plus: str | None,
+    timeout: float,
+    group_by: int,
+    aggregates: str,
+) -> None:
+    """Print aggregates of index NAME computed in the daemon, one JSON line per group in index
+    order (GET /indexes/NAME/aggregate).
+
+    Examples:
+
+    \b
+      indexer aggregate by_city --group-by 1 --aggregates count,avg(age)
+      indexer aggregate by_age --aggregates 'count,min(age),max(age)' --low 18
+    """
+    _index_name(name)
+    params = _query_params(eq, low, high, spans, inclusion, consistency, at_plus, timeout)
+    params.update(group_by=group_by, aggregates=aggregates)
+    response = _call(
+        daemon.connect(), "GET", f"/indexes/{name}/aggregate", params=params, timeout=timeout + 30
+    )
+    if response.status_code != 200:
+        _http_error(response)
+    sys.stdout.write(response.text)
+
+
+@click.command()
+@click.argument("name")
 @click.argument("docid", metavar="ID")
 @api_options
 @click.option(

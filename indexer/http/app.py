@@ -143,7 +143,8 @@ class HttpApi(ScanRoutes):
         if action not in INDEX_ACTIONS:
             raise ApiError(
                 404,
-                f"no such route: {path} (an index has /scan, /count, /splits, /types, /docs/ID)",
+                f"no such route: {path} (an index has /scan, /count, /aggregate, /splits, /types, "
+                "/docs/ID)",
             )
         _only(method, "GET")
         _params(query, ACTION_PARAMS[action], f"/indexes/NAME/{action}")
@@ -157,6 +158,9 @@ class HttpApi(ScanRoutes):
                 return
             if action == "docs":
                 await self.lookup(index, docid, query, send)
+                return
+            if action == "aggregate":
+                await self.aggregate(index, query, headers, send)
                 return
             started = time.perf_counter()
             rows = await self.scan(index, query, headers, send, count_only=action == "count")

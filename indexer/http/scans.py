@@ -7,14 +7,16 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import pyarrow as pa
 import trio
 
+from indexer.aggregates import Aggregate, AggregateError, aggregate, parse_aggregates
 from indexer.client import NDJSON, NEXT_HEADER, RETRY_AFTER, SEQNO_SUM_HEADER, SNAPSHOT_HEADER
 from indexer.http.admin import AdminRoutes
 from indexer.http.wire import (
@@ -47,6 +49,7 @@ from indexer.scans import (
     column_kind,
     count_entries,
     entry_batches,
+    json_encode,
     key_range,
     key_types,
     lookup,
@@ -122,6 +125,56 @@ def _continuation(query: dict[str, str], index: str) -> Continuation:
     if "order" in query and (query["order"] == "desc") != continued.descending:
         raise ApiError(400, "order: the pages keep the order of the first")
     return continued
+
+
+GROUPS_PER_CHUNK = 1024  # groups of an aggregate answer encoded per worker-thread call
+
+
+def group_lines(groups: Iterator[dict[str, Any]]) -> bytes | None:
+    """The next groups as NDJSON lines; None at the end."""
+    chunk = list(islice(groups, GROUPS_PER_CHUNK))
+    if not chunk:
+        return None
+    return "".join(json_encode(g) + "\n" for g in chunk).encode()
+
+
+def group_schema(
+    paths: Sequence[str], aggregates: Sequence[Aggregate], snap: StabilitySnapshot
+) -> pa.Schema:
+    """An aggregate answer's Arrow columns: the group's keys as JSON text, counts as int64,
+    sums and averages as float64, minimums and maximums as JSON text."""
+    kinds = {"count": pa.int64(), "count_distinct": pa.int64(), "sum": pa.float64()}
+    kinds["avg"] = pa.float64()
+    fields = [pa.field(p, pa.string()) for p in paths]
+    fields += [pa.field(a.name, kinds.get(a.function, pa.string())) for a in aggregates]
+    metadata = {
+        "indexer.snapshot": str(snap.number),
+        "indexer.seqno_sum": str(snap.timestamp.total),
+    }
+    return pa.schema(fields, metadata=metadata)
+
+
+def group_batch(
+    groups: Iterator[dict[str, Any]], writer: Any, schema: pa.Schema, width: int
+) -> bool:
+    """Write the next groups (of `width` keys) as one record batch; False at the end."""
+    chunk = list(islice(groups, GROUPS_PER_CHUNK))
+    if not chunk:
+        return False
+    columns = []
+    for j, field in enumerate(schema):
+        if j < width:
+            texts = [
+                None if j in g.get("missing", ()) else json_encode(g["group"][j]) for g in chunk
+            ]
+            columns.append(pa.array(texts, pa.string()))
+        elif pa.types.is_string(field.type):
+            values = [g[field.name] for g in chunk]
+            columns.append(pa.array([None if v is None else json_encode(v) for v in values]))
+        else:
+            columns.append(pa.array([g[field.name] for g in chunk], field.type))
+    writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+    return True
 
 
 def _span_range(nkeys: int, span: dict[str, Any]) -> KeyRange:
@@ -497,6 +550,46 @@ class ScanRoutes(AdminRoutes):
             pin_id, ours = self.view.snapshots.pin(snap, PAGE_LEASE_S).pin_id, True
         entry = last[len(index.main_prefix) :]
         return Continuation(index.definition.name, pin_id, ours, entry, descending).encode()
+
+    async def aggregate(
+        self, index: StoredIndex, query: dict[str, str], headers: dict[str, str], send: Send
+    ) -> None:
+        """GET /indexes/NAME/aggregate: per group of the first `group_by` keys, in index order,
+        the `aggregates` asked for, over a scan's range and snapshot; NDJSON or Arrow."""
+        paths = index.definition.keys
+        group_by = int(_number(query.get("group_by", "0"), "group_by", 0, len(paths)))
+        try:
+            aggregates = parse_aggregates(query.get("aggregates", "count"), paths)
+        except AggregateError as exc:
+            raise ApiError(400, str(exc)) from None
+        bounds = self._range(index, query)
+        snap = (await self._read_snapshot(query)).acquire()
+        try:
+            meta = {SNAPSHOT_HEADER: str(snap.number), SEQNO_SUM_HEADER: str(snap.timestamp.total)}
+            batches = entry_batches(
+                self.view.store, index, snap.store_snapshot, bounds, None, SCAN_CHUNK
+            )
+            groups = aggregate(batches, group_by, aggregates)
+            if ARROW in headers.get("accept", ""):
+                schema = group_schema(paths[:group_by], aggregates, snap)
+                sink = _Chunks()
+                writer = pa.ipc.new_stream(sink, schema)
+                await _start(send, 200, ARROW, meta)
+                while await trio.to_thread.run_sync(group_batch, groups, writer, schema, group_by):
+                    body = sink.take()
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                writer.close()
+                await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
+                return
+            await _start(send, 200, NDJSON, meta)
+            while True:
+                lines: bytes | None = await trio.to_thread.run_sync(group_lines, groups)
+                if lines is None:
+                    break
+                await send({"type": "http.response.body", "body": lines, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            snap.release()
 
     async def lookup(
         self, index: StoredIndex, docid: str, query: dict[str, str], send: Send

@@ -29,7 +29,7 @@ MAX_LEASE_S = 86400.0
 
 CONSISTENCIES = ("any", "request_plus", "at_plus")
 
-INDEX_ACTIONS = ("scan", "count", "splits", "types", "docs")
+INDEX_ACTIONS = ("scan", "count", "splits", "types", "docs", "aggregate")
 
 READ_METHODS = ("GET", "HEAD")
 
@@ -44,6 +44,7 @@ ACTION_PARAMS = {
     "splits": ("parts", *SNAPSHOT_PARAMS),
     "types": SNAPSHOT_PARAMS,
     "docs": SNAPSHOT_PARAMS,
+    "aggregate": (*COUNT_PARAMS, "group_by", "aggregates"),
 }
 
 ROUTE_PARAMS: tuple[str, ...] = ()

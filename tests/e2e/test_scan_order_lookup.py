@@ -240,3 +240,83 @@ def test_spans_read_several_ranges_in_index_order_each_entry_once(
     assert counted_cli.returncode == 0, counted_cli.stderr
     assert counted_cli.stdout.strip() == str(len(want))
     assert daemon.stop() == 0
+
+
+def test_aggregates_per_group_equal_the_model(daemon_factory: Any, tmp_path: Path) -> None:
+    daemon = daemon_factory().start()
+    documents = list(generate(Workload(5_000, 2_000, 0.1, 82)))
+    fed = run_feed(daemon, write_jsonl(tmp_path / "docs.jsonl", documents))
+    assert fed.returncode == 0, fed.stderr
+    url = f"{daemon.url}/indexes/by_city/aggregate"
+    entries = model(documents, INDEXES["by_city"])
+    asked = "count,count_distinct(age),min(age),max(age),sum(age),avg(age)"
+
+    def numeric(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    def expected(rows: list[dict[str, Any]], width: int) -> list[dict[str, Any]]:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for e in rows:  # the model is in index order: groups come in it too
+            groups.setdefault(json.dumps(e["key"][:width]), []).append(e)
+        out = []
+        for head, members in groups.items():
+            ages = [m["key"][1] for m in members if 1 not in m.get("missing", [])]
+            ages = [a for a in ages if a is not None]
+            numbers = [a for a in ages if numeric(a)]
+            out.append(
+                {
+                    "group": json.loads(head),
+                    "count": len(members),
+                    "count_distinct(age)": len({json.dumps(a) for a in ages}),
+                    "sum(age)": round(sum(numbers), 6) if numbers else None,
+                    "avg(age)": round(sum(numbers) / len(numbers), 6) if numbers else None,
+                }
+            )
+        return out
+
+    def rounded(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        keep = ("group", "count", "count_distinct(age)", "sum(age)", "avg(age)")
+        return [
+            {k: round(g[k], 6) if isinstance(g[k], float) else g[k] for k in keep} for g in groups
+        ]
+
+    by_city = ndjson(url, group_by=1, aggregates=asked)
+    assert rounded(by_city) == expected(entries, 1)
+    assert all("min(age)" in g and "max(age)" in g for g in by_city)
+    (everything,) = ndjson(url, aggregates="count")
+    assert everything == {"group": [], "count": len(entries)}
+    # Over spans, as a scan reads them.
+    spans = json.dumps([{"eq": "Oslo"}, {"eq": "Lima"}])
+    cities = {"Oslo", "Lima"}
+    some = [e for e in entries if e["key"][0] in cities]
+    assert rounded(ndjson(url, group_by=1, aggregates=asked, spans=spans)) == expected(some, 1)
+    # Arrow: the group's keys as JSON text, counts as int64, sums as float64.
+    import pyarrow as pa
+
+    arrow = httpx.get(
+        url,
+        params={"group_by": 1, "aggregates": "count,sum(age)"},
+        headers={"accept": "application/vnd.apache.arrow.stream"},
+        timeout=60,
+    )
+    table = pa.ipc.open_stream(arrow.content).read_all()
+    assert table.column_names == ["address.city", "count", "sum(age)"]
+    assert table.column("count").to_pylist() == [g["count"] for g in by_city]
+    assert table.column("address.city").to_pylist() == [json.dumps(g["group"][0]) for g in by_city]
+    for params, message in (
+        ({"aggregates": "median(age)"}, "is not one of"),
+        ({"group_by": 3}, "group_by"),
+    ):
+        bad = httpx.get(url, params=params)
+        assert bad.status_code == 400 and message in bad.json()["error"], bad.text
+    listed = subprocess.run(
+        indexer_command(
+            "aggregate", "by_city", "--group-by", "1", "--aggregates", "count", "--url", daemon.url
+        ),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line) for line in listed.stdout.splitlines()] == [
+        {"group": g["group"], "count": g["count"]} for g in by_city
+    ]
+    assert daemon.stop() == 0
