@@ -290,7 +290,7 @@ class EntryBatch:
     keys: list[list[Any]]
 
     def __len__(self) -> int:
-        return len(self.docids)
+        return len(self.codes)
 
 
 def entry_batches(
@@ -302,6 +302,7 @@ def entry_batches(
     chunk: int = 8192,
     reverse: bool = False,
     offset: int = 0,
+    docids: bool = True,
 ) -> Iterator[EntryBatch]:
     """The rows of `iterate` in batches of up to `chunk` (blocking: run it in a thread).
 
@@ -315,10 +316,12 @@ def entry_batches(
     if offset:
         entries = islice(entries, offset, None)
     while entries_of_batch := list(islice(entries, chunk)):
-        yield _split_batch(entries_of_batch, cut, count)
+        yield _split_batch(entries_of_batch, cut, count, docids)
 
 
-def _split_batch(entries: list[bytes], cut: int, count: int) -> EntryBatch:
+def _split_batch(entries: list[bytes], cut: int, count: int, docids: bool = True) -> EntryBatch:
+    """A batch of entries split into docids (`docids`: else left empty, for aggregates) and
+    distinct keys with each row's code."""
     n = len(entries)
     whole = pa.array(entries, pa.binary())
     _, offsets_buffer, data_buffer = whole.buffers()
@@ -330,17 +333,6 @@ def _split_batch(entries: list[bytes], cut: int, count: int) -> EntryBatch:
     key_starts = offsets[:-1] + cut
     if n and (id_starts < key_starts).any():
         raise KeyEncodingError("a main-index entry is shorter than its docid length says")
-    docids = _gather(pa.string(), id_starts, id_lengths, data)
-    try:
-        docids.validate(full=True)
-    except pa.ArrowInvalid:  # docids are bytes on the wire; show invalid UTF-8 as U+FFFD
-        docids = pa.array(
-            [
-                e[s : s + m].decode("utf-8", errors="replace")
-                for e, s, m in _slices(entries, id_starts - offsets[:-1], id_lengths)
-            ],
-            pa.string(),
-        )
     encoded = pc.dictionary_encode(_gather(pa.binary(), key_starts, id_starts - key_starts, data))
     keys = []
     for key in encoded.dictionary.to_pylist():
@@ -348,7 +340,20 @@ def _split_batch(entries: list[bytes], cut: int, count: int) -> EntryBatch:
         if end != len(key):
             raise KeyEncodingError(f"{len(key) - end} stray bytes after a key of {count} values")
         keys.append(values)
-    return EntryBatch(docids, encoded.indices, keys)
+    if not docids:
+        return EntryBatch(pa.array([], pa.string()), encoded.indices, keys)
+    ids = _gather(pa.string(), id_starts, id_lengths, data)
+    try:
+        ids.validate(full=True)
+    except pa.ArrowInvalid:  # docids are bytes on the wire; show invalid UTF-8 as U+FFFD
+        ids = pa.array(
+            [
+                e[s : s + m].decode("utf-8", errors="replace")
+                for e, s, m in _slices(entries, id_starts - offsets[:-1], id_lengths)
+            ],
+            pa.string(),
+        )
+    return EntryBatch(ids, encoded.indices, keys)
 
 
 def _gather(kind: pa.DataType, starts: Any, lengths: Any, data: Any) -> pa.Array:

@@ -567,7 +567,7 @@ class ScanRoutes(AdminRoutes):
         try:
             meta = {SNAPSHOT_HEADER: str(snap.number), SEQNO_SUM_HEADER: str(snap.timestamp.total)}
             batches = entry_batches(
-                self.view.store, index, snap.store_snapshot, bounds, None, SCAN_CHUNK
+                self.view.store, index, snap.store_snapshot, bounds, None, SCAN_CHUNK, docids=False
             )
             groups = aggregate(batches, group_by, aggregates)
             if ARROW in headers.get("accept", ""):
