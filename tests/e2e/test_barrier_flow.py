@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from typing import Any
 
 import httpx
@@ -71,6 +72,12 @@ def test_flow_control_keeps_the_router_within_its_window(daemon_factory: Any) ->
     # Credit comes back in steps of at least a quarter window, for everything taken.
     assert router.credited >= router.sent - window // 4
     router.close()
+    # The daemon releases the closed connection's vbuckets once it reads the close; until then
+    # a new connection's claim on them is refused (STREAM_EXISTS).
+    deadline = time.monotonic() + 30
+    while daemon.stats()["vbuckets"]["streaming"]:
+        assert time.monotonic() < deadline, "the closed connection's vbuckets stayed claimed"
+        time.sleep(0.02)
     # A router that does not ask for flow control gets no window and no BUFFER_ACK.
     plain = Router(daemon, source)
     assert plain.window == 0 and plain.reply.flow_control_bytes == 0
