@@ -29,6 +29,7 @@ from tests.harness import (
     jsonl_lines,
     latest,
     stop_process,
+    tree_cpu,
     wait_for_line,
     write_cluster_map,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "jsonl_lines",
     "latest",
     "stop_process",
+    "tree_cpu",
     "wait_for_line",
     "write_cluster_map",
 ]

@@ -74,6 +74,7 @@ from common import (  # bench/common.py: run as `python bench/...`
     jsonl_lines,
     ratio,
     say,
+    tree_cpu,
     write_cluster_map,
 )
 from ingest import measure_e2e
@@ -158,20 +159,6 @@ def write_input(path: Path, workload: Workload, config: Config) -> Input:
 
 # --------------------------------------------------------------------------------------------
 # Processes
-
-
-def tree_cpu(process: psutil.Process) -> tuple[float, float]:
-    """CPU seconds (user + system) of the process itself, and of its children: those it has
-    reaped and its live descendants."""
-    own = process.cpu_times()
-    children = own.children_user + own.children_system
-    for child in process.children(recursive=True):
-        try:
-            times = child.cpu_times()
-        except psutil.Error:
-            continue
-        children += times.user + times.system
-    return own.user + own.system, children
 
 
 # --------------------------------------------------------------------------------------------

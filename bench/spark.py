@@ -36,10 +36,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
-from common import Daemon, Router, in_workdir, ratio, say  # bench/common.py
+from common import Daemon, Router, in_workdir, ratio, say, tree_cpu  # bench/common.py
 
 from indexer.storage import IndexStore
 
@@ -114,15 +113,7 @@ def wait_persisted(daemon: Daemon, router: Router, total: int, timeout: float) -
 
 def router_cpu(router: Router) -> float:
     """CPU seconds of the router and its children so far."""
-    own = router.process.cpu_times()
-    total = own.user + own.system + own.children_user + own.children_system
-    for child in router.process.children(recursive=True):
-        try:
-            times = child.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return float(total)
+    return sum(tree_cpu(router.process))
 
 
 def jsonl_run(jsonl: Path, n: int, run_dir: Path, timeout: float) -> dict[str, Any]:

@@ -168,6 +168,20 @@ def cpu_split(process: psutil.Process) -> tuple[float, float]:
     return main, total.user + total.system - main
 
 
+def tree_cpu(process: psutil.Process) -> tuple[float, float]:
+    """CPU seconds (user + system) of the process itself, and of its children: those it has
+    reaped and its live descendants."""
+    own = process.cpu_times()
+    children = own.children_user + own.children_system
+    for child in process.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        children += times.user + times.system
+    return own.user + own.system, children
+
+
 # ------------------------------------------------------------------------------------------------
 # The daemon
 

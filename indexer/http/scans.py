@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
@@ -127,6 +128,44 @@ def _continuation(query: dict[str, str], index: str) -> Continuation:
     return continued
 
 
+async def _stream(
+    send: Send, content_type: str, meta: dict[str, str], next_body: Callable[[], bytes | None]
+) -> None:
+    """Answer 200 with the bodies `next_body` gives until it gives None. It runs in a worker
+    thread: decoding and encoding stay off the event loop."""
+    await _start(send, 200, content_type, meta)
+    while True:
+        body: bytes | None = await trio.to_thread.run_sync(next_body)
+        if body is None:
+            break
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _arrow_bodies(schema: pa.Schema, write: Callable[[Any], bool]) -> Callable[[], bytes | None]:
+    """The bodies of an Arrow IPC stream: what each call of `write` (a record batch, or False
+    at the end) adds to it, then its end."""
+    sink = _Chunks()
+    writer = pa.ipc.new_stream(sink, schema)
+    ended = False
+
+    def next_body() -> bytes | None:
+        nonlocal ended
+        if ended:
+            return None
+        if not write(writer):
+            writer.close()
+            ended = True
+        return sink.take()
+
+    return next_body
+
+
+def _snapshot_metadata(snap: StabilitySnapshot) -> dict[str, str]:
+    """The Arrow schema metadata naming the snapshot a stream read."""
+    return {"indexer.snapshot": str(snap.number), "indexer.seqno_sum": str(snap.timestamp.total)}
+
+
 GROUPS_PER_CHUNK = 1024  # groups of an aggregate answer encoded per worker-thread call
 
 
@@ -147,11 +186,7 @@ def group_schema(
     kinds["avg"] = pa.float64()
     fields = [pa.field(p, pa.string()) for p in paths]
     fields += [pa.field(a.name, kinds.get(a.function, pa.string())) for a in aggregates]
-    metadata = {
-        "indexer.snapshot": str(snap.number),
-        "indexer.seqno_sum": str(snap.timestamp.total),
-    }
-    return pa.schema(fields, metadata=metadata)
+    return pa.schema(fields, metadata=_snapshot_metadata(snap))
 
 
 def group_batch(
@@ -491,12 +526,7 @@ class ScanRoutes(AdminRoutes):
         meta: dict[str, str],
         projection: Projection,
     ) -> None:
-        await _start(send, 200, NDJSON, meta)
-        while (
-            body := await trio.to_thread.run_sync(_ndjson_chunk, chunks, projection)
-        ) is not None:
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await _stream(send, NDJSON, meta, functools.partial(_ndjson_chunk, chunks, projection))
 
     async def _stream_arrow(
         self,
@@ -513,23 +543,12 @@ class ScanRoutes(AdminRoutes):
         fields = [pa.field(paths[j], COLUMN_KINDS[kinds[j]]) for j in projection.positions]
         if projection.with_id:
             fields.insert(projection.id_at, pa.field("id", pa.string()))
-        schema = pa.schema(
-            fields,
-            metadata={
-                "indexer.snapshot": str(snap.number),
-                "indexer.seqno_sum": str(snap.timestamp.total),
-            },
-        )
-        sink = _Chunks()
-        writer = pa.ipc.new_stream(sink, schema)
-        await _start(send, 200, ARROW, meta)
-        # Decoding, JSON texts and the Arrow batch are built in the thread, off the event loop.
-        while await trio.to_thread.run_sync(
-            _arrow_chunk, chunks, writer, schema, kinds, projection
-        ):
-            await send({"type": "http.response.body", "body": sink.take(), "more_body": True})
-        writer.close()
-        await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
+        schema = pa.schema(fields, metadata=_snapshot_metadata(snap))
+
+        def write(writer: Any) -> bool:
+            return _arrow_chunk(chunks, writer, schema, kinds, projection)
+
+        await _stream(send, ARROW, meta, _arrow_bodies(schema, write))
 
     def _next_token(
         self,
@@ -572,22 +591,13 @@ class ScanRoutes(AdminRoutes):
             groups = aggregate(batches, group_by, aggregates)
             if ARROW in headers.get("accept", ""):
                 schema = group_schema(paths[:group_by], aggregates, snap)
-                sink = _Chunks()
-                writer = pa.ipc.new_stream(sink, schema)
-                await _start(send, 200, ARROW, meta)
-                while await trio.to_thread.run_sync(group_batch, groups, writer, schema, group_by):
-                    body = sink.take()
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                writer.close()
-                await send({"type": "http.response.body", "body": sink.take(), "more_body": False})
-                return
-            await _start(send, 200, NDJSON, meta)
-            while True:
-                lines: bytes | None = await trio.to_thread.run_sync(group_lines, groups)
-                if lines is None:
-                    break
-                await send({"type": "http.response.body", "body": lines, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+                def write(writer: Any) -> bool:
+                    return group_batch(groups, writer, schema, group_by)
+
+                await _stream(send, ARROW, meta, _arrow_bodies(schema, write))
+            else:
+                await _stream(send, NDJSON, meta, functools.partial(group_lines, groups))
         finally:
             snap.release()
 

@@ -154,6 +154,9 @@ def _keys(options: SourceOptions) -> list[str]:
     return _offline_keys(options.path, options.index)
 
 
+TYPES_PIN_LEASE_S = 60.0  # the pin load() makes to ask what the index holds, released at once
+
+
 def _types(options: SourceOptions) -> list[set[str]]:
     """What each key position holds, over every node, at a snapshot pinned for the question
     (or the `pin` option's); a stopped node's store offline."""
@@ -163,17 +166,23 @@ def _types(options: SourceOptions) -> list[set[str]]:
     if options.pin is not None:
         pins, made = _given_pins(options.pin, targets), []
     else:
-        made = _pin_each(targets, options.snapshot, options.at_plus, 60.0, options.timeout)
+        made = _pin_each(
+            targets, options.snapshot, options.at_plus, TYPES_PIN_LEASE_S, options.timeout
+        )
         pins = [pin.id for pin in made]
     try:
-        found = _results(
-            _on_each(
-                targets,
-                lambda i, t: index_types(t.url, options.index, pins[i], options.timeout, t.access),
-            )
-        )
+        return _types_at(targets, pins, options.index, options.timeout)
     finally:
         _release_each(made)
+
+
+def _types_at(
+    targets: Sequence[Target], pin_ids: Sequence[str], index: str, timeout: float
+) -> list[set[str]]:
+    """The JSON types each key position of `index` holds over every node at its pin."""
+    found = _results(
+        _on_each(targets, lambda i, t: index_types(t.url, index, pin_ids[i], timeout, t.access))
+    )
     return [set().union(*(node[j] for node in found)) for j in range(len(found[0]))]
 
 
@@ -273,15 +282,9 @@ class IndexerReader(DataSourceReader):
         inferred = [c for c in self.columns if c.inferred]
         if not inferred:
             return
-        index = self.options.index
-        found = _results(
-            _on_each(
-                targets,
-                lambda i, t: index_types(t.url, index, pin_ids[i], self.options.timeout, t.access),
-            )
-        )
+        found = _types_at(targets, pin_ids, self.options.index, self.options.timeout)
         for column in inferred:
-            types = set().union(*(node[column.position] for node in found))
+            types = found[column.position]
             if not fits(column.kind, types):
                 raise IndexerSourceError(
                     f"column {column.name} was typed {column.kind.upper()} when the DataFrame "
