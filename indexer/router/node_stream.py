@@ -454,10 +454,16 @@ async def _backfill(
                 pending.append((backfill, chunk.end))
 
 
-async def _forward_appends(next_change: Callable[[], trio.Event], wakeup: Wakeup) -> None:
+async def _forward_appends(
+    next_change: Callable[[], trio.Event], wakeup: Wakeup, first: trio.Event
+) -> None:
+    """Wake the stream at every append, from the one `first` stands for: taken before the
+    stream first looks at memory, so an append in between is not missed."""
+    change = first
     while True:
-        await next_change().wait()
+        await change.wait()
         wakeup.set()
+        change = next_change()
 
 
 @dataclass
@@ -562,7 +568,7 @@ async def follow_memory(
                     )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(peer.read_acks)
-                    nursery.start_soon(_forward_appends, next_change, wakeup)
+                    nursery.start_soon(_forward_appends, next_change, wakeup, next_change())
                     nursery.start_soon(
                         _backfill,
                         source,

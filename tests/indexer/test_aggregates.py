@@ -51,13 +51,20 @@ def model(rows: list[tuple[list[Any], str]], group_by: int) -> list[dict[str, An
             entry["missing"] = missing
         entry["count"] = len(keys)
         entry["count(age)"] = len(ages)
-        entry["count_distinct(age)"] = len({(type(a), a) for a in ages})
+        # Numbers are one type in the index: -4 and -4.0 are one value.
+        entry["count_distinct(age)"] = len(
+            {("n", a) if _numeric(a) else (type(a), a) for a in ages}
+        )
         entry["min(age)"] = min(ages, key=functools.cmp_to_key(collate)) if ages else None
         entry["max(age)"] = max(ages, key=functools.cmp_to_key(collate)) if ages else None
         entry["sum(age)"] = sum(numbers) if numbers else None
         entry["avg(age)"] = sum(numbers) / len(numbers) if numbers else None
         out.append(entry)
     return out
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _cmp(a: list[Any], b: list[Any]) -> int:
