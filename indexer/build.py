@@ -1,16 +1,19 @@
-"""The initial build of an index created over data already streamed: its own stream and writer.
+"""The initial build of indexes created over data already streamed: their own stream and writer.
 
-Like Couchbase's INIT_STREAM beside MAINT_STREAM. A router opens a build stream for the index
-(HANDSHAKE with `build`), which carries that index's key only, from seqno 0 (the router reads its
-source log, then memory) and follows the router live. The build has its own stream registry
-(what it has received), its own bounded channel, and its own writer and back-index cache, so the
-maintenance stream keeps the active indexes current meanwhile and never waits for it. Every
-flush writes the entries and the build's progress in one WriteBatch: a daemon killed during a
-build resumes from its progress. Once the build has caught up with what the maintenance stream
-has received, the catalog merges it (`IndexCatalog.merge_build`) in band: maintenance records
-have carried the index's key since its creation, unwritten; maintenance's flushes stop at the
+Like Couchbase's INIT_STREAM beside MAINT_STREAM. A router opens a build stream for the build
+(HANDSHAKE with `build`, the build's name), which carries the keys of its indexes only, from
+seqno 0 (the router reads its source log, then memory) and follows the router live. A build
+holds one index (one created over data) or several (deferred indexes built together, as GSI's
+`BUILD INDEX` does): one pass over the router's history fills them all. The build has its own
+stream registry (what it has received), its own bounded channel, and its own writer and
+back-index cache (a column per index), so the maintenance stream keeps the active indexes
+current meanwhile and never waits for it. Every flush writes the entries and the build's
+progress (under each of its indexes) in one WriteBatch: a daemon killed during a build resumes
+from its progress. Once the build has caught up with what the maintenance stream has received,
+the catalog merges it (`IndexCatalog.merge_build`) in band: maintenance records have carried
+its indexes' keys since the build started, unwritten; maintenance's flushes stop at the
 timestamp M written so far, the build goes on until it has completed a snapshot reaching M in
-every vbucket, and maintenance writes the index's key from the records after M. Nothing is
+every vbucket, and maintenance writes the indexes' keys from the records after M. Nothing is
 lost, and no router reconnects. What the build applied past M (the rest of those snapshots)
 maintenance applies again, in seqno order, with the same keys, which ends in the same entries.
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -75,9 +78,33 @@ def read_progress(store: IndexStore, index: StoredIndex, num_vbuckets: int) -> l
     return list(struct.unpack(f">{num_vbuckets}Q", raw))
 
 
+def forget_progress(store: IndexStore, indexes: Sequence[StoredIndex]) -> None:
+    """The indexes' builds ended (merged or dropped): their progress records go (blocking)."""
+    store.write((), [progress_key(index) for index in indexes])
+
+
+def stream_name(names: Sequence[str]) -> str:
+    """The name of the build stream carrying these indexes' keys (`Handshake.build`): their
+    names joined by commas, which no index name holds."""
+    return ",".join(names)
+
+
+def resumed_builds(progress: Mapping[str, Sequence[int]]) -> list[list[str]]:
+    """The builds to resume at start-up, as lists of index names, from each index's progress.
+
+    A build writes the progress of all its indexes in every flush, so the indexes of one build
+    have equal progress and are resumed as one build again, on one stream; indexes that had not
+    written yet (all zeros) start together too. Other indexes resume on their own streams.
+    """
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name, seqnos in progress.items():
+        groups.setdefault(tuple(seqnos), []).append(name)
+    return list(groups.values())
+
+
 @dataclass(frozen=True)
 class BuildStatus:
-    """What `/stats` and `/indexes` show of a build."""
+    """What `/stats` and `/indexes` show of a build; `indexes` are those built together."""
 
     state: str
     items: int
@@ -86,6 +113,7 @@ class BuildStatus:
     target_seqno_sum: int
     queued_records: int
     slab_bytes: int
+    indexes: tuple[str, ...] = ()
 
 
 class BuildShare:
@@ -133,31 +161,41 @@ class QueuedBatch:
 
 
 class IndexBuild:
-    """One index's initial build: its stream registry, channel and writer (see module doc)."""
+    """The initial build of one or more indexes: one stream registry, channel, writer and
+    back-index cache with a column per index (see module doc)."""
 
     def __init__(
         self,
         store: IndexStore,
-        index: StoredIndex,
+        indexes: Sequence[StoredIndex],
         owned: Sequence[int],
         maintenance: StreamRegistry,
         cache_capacity: int,
         share: BuildShare,
         defer: Callable[[], bool] | None = None,
+        cache: BackIndexCache | None = None,
     ) -> None:
+        """`cache`, when given, holds the store's back index of `indexes` already (what a build
+        that lost one of its indexes leaves to the rest); else it is loaded (blocking)."""
         self.store = store
         self.share = share
         # True while the maintenance stream has a backlog: the build waits (it never comes
         # first); its channel fills and TCP pushes back on the router's build stream.
         self.defer = defer
-        self.index = index
+        self.indexes = tuple(indexes)
+        self.names = tuple(i.definition.name for i in self.indexes)
         self.maintenance = maintenance
         n = len(maintenance.received)
-        self.progress = read_progress(store, index, n)
+        # Equal for the indexes of one build; the lowest is safe whatever happened before,
+        # since applying a document's later versions again converges.
+        found = [read_progress(store, index, n) for index in self.indexes]
+        self.progress = [min(seqnos) for seqnos in zip(*found, strict=True)]
         self.registry = StreamRegistry(owned, self.progress)
-        self.cache = BackIndexCache(cache_capacity, 1)
-        self.cache.load(store, [index])
-        self.writer = IndexWriter(store, [index], self.cache)
+        if cache is None:
+            cache = BackIndexCache(cache_capacity, len(self.indexes))
+            cache.load(store, self.indexes)
+        self.cache = cache
+        self.writer = IndexWriter(store, self.indexes, self.cache)
         self._send, self._receive = trio.open_memory_channel[list[QueuedBatch | p.SnapshotMarker]](
             BUILD_CHANNEL_BATCHES
         )
@@ -170,14 +208,23 @@ class IndexBuild:
         self.covered = list(self.progress)
         self.state = "building"
         self.items = 0
-        self.entries = sum(1 for keys in self.cache.entries.values() if keys[0])
+        self.entries = [0] * len(self.indexes)  # per index, counted in the cache
+        for keys in self.cache.entries.values():
+            for j, key in enumerate(keys):
+                if key:
+                    self.entries[j] += 1
         self._moved = trio.Event()
         self._reported = False
         self.stopped = trio.Event()  # set when its writer task has ended (catalog._run_build)
 
     @property
     def name(self) -> str:
-        return self.index.definition.name
+        """The build stream's name: its indexes' names (`stream_name`)."""
+        return stream_name(self.names)
+
+    def index(self, name: str) -> StoredIndex:
+        """The index of this build named `name`."""
+        return self.indexes[self.names.index(name)]
 
     def status(self) -> BuildStatus:
         received = sum(self.progress)
@@ -191,6 +238,7 @@ class IndexBuild:
             target,
             self.queued_records,
             self.slab_bytes,
+            self.names,
         )
 
     async def accept(self, items: Sequence[p.MutationBatch | p.SnapshotMarker]) -> None:
@@ -297,13 +345,16 @@ class IndexBuild:
                 progress[vb] = max(progress[vb], item.last_seqno)
             if chunks:
                 write, result = self.writer.prepare(self.share.pool.records, chunks)
-                write.put(progress_key(self.index), struct.pack(f">{len(progress)}Q", *progress))
+                packed = struct.pack(f">{len(progress)}Q", *progress)
+                for index in self.indexes:
+                    write.put(progress_key(index), packed)
                 # The cache already holds these keys: the batch must land once prepared, or a
                 # merge would hand maintenance a back index naming entries never written.
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(write.write)
                 self.items += result.mutations
-                self.entries += result.entry_deltas[0]
+                for j, delta in enumerate(result.entry_deltas):
+                    self.entries[j] += delta
         finally:
             self._free(items)  # written, or the build was stopped
         self.progress[:] = progress
@@ -314,8 +365,8 @@ class IndexBuild:
         self._moved = trio.Event()
 
     def forget(self) -> None:
-        """The build ended (merged or dropped): its progress record goes (blocking)."""
-        self.store.write((), [progress_key(self.index)])
+        """The build ended (merged or dropped): its progress records go (blocking)."""
+        forget_progress(self.store, self.indexes)
 
 
 def _piece_end(items: Sequence[QueuedBatch | p.SnapshotMarker], start: int, records: int) -> int:

@@ -13,6 +13,11 @@ records carry its key beside those of the active indexes, and the writers skip i
 has caught up it is merged in band, with no router reconnecting: flushes stop at a timestamp M,
 the end of the last complete snapshots (what follows stays queued), the build completes up to M,
 and the writers write its key from the records after M on.
+
+An index created with `defer_build` is only stored ("deferred"): no stream carries its key, so
+creating or dropping it changes nothing of the pipeline. `build` starts the deferred indexes it
+is given as one build, on one build stream (GSI's `BUILD INDEX`): one pass over the router's
+history fills them all, and one merge makes them all active.
 """
 
 from __future__ import annotations
@@ -23,11 +28,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
-from indexer.build import BuildShare, IndexBuild
+from indexer.build import BuildShare, IndexBuild, forget_progress
 from indexer.pipeline import Pipeline, PipelineClosed
 from indexer.protocol import ErrorCode, IndexDefinition
 from indexer.storage import StoredIndex, StoreError
-from workers.flush import BuiltIndexMerge, IndexWriter
+from workers.flush import BackIndexCache, BuiltIndexMerge, IndexWriter
 
 log = logging.getLogger("indexer.catalog")
 
@@ -67,7 +72,9 @@ class IndexCatalog:
         self.workers = workers = pipeline.workers
         self.timekeeper = pipeline.timekeeper
         self.cache = cache = pipeline.cache
-        self.builds = reader.builds  # name -> build, shared with the reader and the HTTP API
+        # Index name -> its build (the indexes of one build share it), shared with the reader
+        # and the HTTP API.
+        self.builds = reader.builds
         self.cache_capacity = cache.capacity
         self.build_share = BuildShare(workers[0].pool)
         self._caught_up, self._caught_up_receive = trio.open_memory_channel[IndexBuild](math.inf)
@@ -84,24 +91,45 @@ class IndexCatalog:
         self._stopping = False
         self._merge_wait: trio.CancelScope | None = None
 
-    def add_build(self, index: StoredIndex) -> IndexBuild:
-        """Start the initial build of a stored "building" index (at start-up or on create)."""
+    def add_build(
+        self, indexes: Sequence[StoredIndex], cache: BackIndexCache | None = None
+    ) -> IndexBuild:
+        """Start the initial build of stored "building" indexes, on one build stream (at
+        start-up, on create, or when deferred indexes are built); `cache` as IndexBuild takes
+        it, its columns in the order of `indexes`. Without one the indexes go by id, so a build
+        resumed after a restart has the stream name it had."""
+        if cache is None:
+            indexes = sorted(indexes, key=lambda index: index.index_id)
         owned = [vb for vb, flag in enumerate(self.reader.registry.owned) if flag]
         build = IndexBuild(
             self.store,
-            index,
+            indexes,
             owned,
             self.reader.registry,
             self.cache_capacity,
             self.build_share,
             self._maintenance_backlog,
+            cache,
         )
-        self.builds[build.name] = build
-        if all(d.name != build.name for d in self.columns):
-            self.columns.append(index.definition)
+        for index in indexes:
+            self.builds[index.definition.name] = build
+            if all(d.name != index.definition.name for d in self.columns):
+                self.columns.append(index.definition)
         if self._nursery is not None:
             self._nursery.start_soon(self._run_build, build)
         return build
+
+    def _current(self, build: IndexBuild) -> bool:
+        """Whether the build still runs (not merged, dropped or restarted meanwhile)."""
+        return self.builds.get(build.names[0]) is build
+
+    def _running_builds(self) -> list[IndexBuild]:
+        """Every build once, in the order they started."""
+        return list({id(b): b for b in self.builds.values()}.values())
+
+    def deferred_indexes(self) -> list[StoredIndex]:
+        """The indexes created with `defer_build` and not built yet, by id."""
+        return [i for i in self.store.all_indexes() if i.state == "deferred"]
 
     def switch_writers(self) -> None:
         """Give every worker a writer of the active indexes for records of `columns`."""
@@ -133,10 +161,10 @@ class IndexCatalog:
         """Run the builds and merge each once it has caught up; until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            for build in self.builds.values():
+            for build in self._running_builds():
                 nursery.start_soon(self._run_build, build)
             async for build in self._caught_up_receive:
-                if self.builds.get(build.name) is build:
+                if self._current(build):
                     try:
                         await self.merge_build(build)
                     except CatalogError as exc:  # shutting down
@@ -153,20 +181,25 @@ class IndexCatalog:
                     del self._build_scopes[build.name]
                 build.stopped.set()
 
-    def _stop_build(self, name: str, message: str, code: ErrorCode = ErrorCode.BUILD_DONE) -> None:
-        scope = self._build_scopes.pop(name, None)
+    def _stop_build(
+        self, build: IndexBuild, message: str, code: ErrorCode = ErrorCode.BUILD_DONE
+    ) -> None:
+        scope = self._build_scopes.pop(build.name, None)
         if scope is not None:
             scope.cancel()
-        build = self.builds.pop(name, None)
-        if build is not None:
+        if self._current(build):
+            for name in build.names:
+                del self.builds[name]
             build.release()  # its queued records leave the slab pool
-        self.reader.close_builds(name, code, message)
+        self.reader.close_builds(build.name, code, message)
 
-    async def create(self, definition: IndexDefinition) -> StoredIndex:
-        if any(i.definition.name == definition.name for i in self.indexes) or (
-            definition.name in self.builds
-        ):
+    async def create(self, definition: IndexDefinition, defer: bool = False) -> StoredIndex:
+        """Create an index: active at once on a daemon with nothing streamed yet, else built
+        over the data; with `defer`, only stored, until `build` is asked for it."""
+        if definition.name in self.store.indexes:
             raise CatalogError(409, f"an index named {definition.name!r} exists")
+        if defer:
+            return self._create_deferred(definition)
         if sum(self.reader.registry.received) > 0:
             return await self._create_building(definition)
         created: list[StoredIndex] = []
@@ -188,13 +221,77 @@ class IndexCatalog:
         )
         return created[0]
 
+    def _create_deferred(self, definition: IndexDefinition) -> StoredIndex:
+        """Store a deferred index: no stream carries it, so the pipeline is left alone."""
+        try:
+            stored = self.store.create_index(definition, "deferred")
+        except StoreError as exc:
+            raise CatalogError(409, str(exc)) from None
+        log.info(
+            "index %s(%s)%s created, deferred: it is built by POST /indexes/_build",
+            definition.name,
+            ", ".join(definition.keys),
+            "" if definition.where is None else f" WHERE {definition.where}",
+        )
+        return stored
+
+    async def build(self, names: Sequence[str]) -> list[StoredIndex]:
+        """Build deferred indexes together, on one build stream (GSI's BUILD INDEX); with
+        nothing streamed yet they are active at once. The indexes as stored now."""
+        if not names:
+            raise CatalogError(400, "indexes: name at least one deferred index to build")
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise CatalogError(400, f"indexes: {twice!r} is named twice")
+        self._check_deferred(names)
+        built: list[StoredIndex] = []
+        listed = _listing(names)
+
+        def apply() -> None:
+            self._check_deferred(names)  # nothing changed them while the stream was stopped
+            if sum(self.reader.registry.received) == 0:
+                stored = self.store.set_states(names, "active")
+                for index in stored:
+                    self.indexes.append(index)
+                    self.columns.append(index.definition)
+                    self.cache.add_index()
+                    self.timekeeper.entry_counts.append(0)
+            else:
+                stored = self.store.set_states(names, "building")
+                self.add_build(stored)
+            built.extend(stored)
+
+        # Routers learn of the build, and carry the indexes' keys, at their next handshake.
+        await self.change_pipeline(apply, message=f"{listed}: being built: handshake again")
+        if built[0].state == "active":
+            log.info("%s built (nothing streamed yet: active at once)", listed)
+        else:
+            log.info("building %s over the data already streamed, on one stream", listed)
+        return built
+
+    def _check_deferred(self, names: Sequence[str]) -> None:
+        """A 404 for a name no index has, a 409 for an index that is not deferred."""
+        stored = self.store.indexes
+        for name in names:
+            index = stored.get(name)
+            if index is None:
+                raise CatalogError(404, f"no index named {name!r}")
+            if index.state != "deferred":
+                build = self.builds.get(name)
+                state = index.state if build is None else build.state
+                raise CatalogError(
+                    409,
+                    f"index {name!r} is {state}, not deferred: only an index created with "
+                    "defer_build is built by request",
+                )
+
     async def _create_building(self, definition: IndexDefinition) -> StoredIndex:
         created: list[StoredIndex] = []
 
         def apply() -> None:
             stored = self.store.create_index(definition, "building")
             created.append(stored)
-            self.add_build(stored)
+            self.add_build([stored])
 
         # Routers learn of the build, and carry its key from now on, at their next handshake.
         await self.change_pipeline(
@@ -209,8 +306,8 @@ class IndexCatalog:
         return created[0]
 
     async def merge_build(self, build: IndexBuild) -> bool:
-        """Make a caught-up build's index active in band (see module doc): flushes stop at the
-        last complete snapshots M, the build completes up to M, and the writers switch."""
+        """Make a caught-up build's indexes active in band (see module doc): flushes stop at
+        the last complete snapshots M, the build completes up to M, and the writers switch."""
         name = build.name
         phases: dict[str, float] = {}
 
@@ -225,7 +322,7 @@ class IndexCatalog:
                     self._merge_wait = None
             if not build.reached(upto):
                 raise _GiveUp(f"the build of {name} did not reach the maintenance timestamp")
-            # No build flush may land after maintenance starts writing this index: stop the
+            # No build flush may land after maintenance starts writing these indexes: stop the
             # build's writer and wait for a flush in progress to finish.
             scope = self._build_scopes.pop(name, None)
             if scope is not None:
@@ -236,27 +333,28 @@ class IndexCatalog:
         def apply() -> None:
             t0 = trio.current_time()
             try:
-                stored = self.store.activate(name)
+                stored = self.store.set_states(build.names, "active")
             except StoreError as exc:
                 raise CatalogError(409, str(exc)) from None
-            self.indexes.append(stored)
+            self.indexes.extend(stored)  # in the order of the build cache's columns
             self.cache.add_built_index(build.cache, merge)
-            self.timekeeper.entry_counts.append(build.entries)
+            self.timekeeper.entry_counts.extend(build.entries)
             self.timekeeper.forget_recovery_points()
             build.state = "merged"
-            del self.builds[name]
+            for index_name in build.names:
+                del self.builds[index_name]
             build.release()  # what it received past M, maintenance applies
             self.switch_writers()
             phases["switch"] = trio.current_time() - t0
 
-        # Widen the back-index cache by the build's column while maintenance goes on: at the
+        # Widen the back-index cache by the build's columns while maintenance goes on: at the
         # merge only what was written meanwhile is left to do.
         merge = BuiltIndexMerge(self.cache, build.cache)
         try:
             while merge.step(MERGE_SLICE_S):
                 await trio.sleep(MERGE_PAUSE_S)
             async with self.pipeline.lock:  # a merge pauses flushes only, not the routers
-                if self.builds.get(name) is not build:  # dropped meanwhile
+                if not self._current(build):  # dropped meanwhile
                     return False
                 if self._stopping:
                     raise _GiveUp(f"the build of {name} caught up as the daemon stopped")
@@ -286,13 +384,15 @@ class IndexCatalog:
         # The readable snapshot predates the build's last writes: scans must see them.
         if not await self.timekeeper.republish():
             log.info("index %s: readable with the next snapshot", name)
-        self.reader.close_builds(name, ErrorCode.BUILD_DONE, f"index {name} is built")
+        built = _listing(build.names)
+        done = f"{built} {'is' if len(build.names) == 1 else 'are'} built"
+        self.reader.close_builds(name, ErrorCode.BUILD_DONE, done)
         await trio.to_thread.run_sync(build.forget)
         self.merged += 1
         log.info(
-            "index %s built: %d mutations from its build stream; active from seqno sum %d; "
+            "%s built: %d mutations from its build stream; active from seqno sum %d; "
             "flushes stopped %.3f s (flush %.3f, build %.3f, switch %.3f), no router reconnected",
-            name,
+            built,
             build.items,
             merged_at,
             stopped,
@@ -308,6 +408,10 @@ class IndexCatalog:
             return
         position = next((j for j, i in enumerate(self.indexes) if i.definition.name == name), None)
         if position is None:
+            stored = self.store.indexes.get(name)
+            if stored is not None and stored.state == "deferred":
+                self._drop_deferred(name)
+                return
             raise CatalogError(404, f"no index named {name!r}")
         dropped: list[StoredIndex] = []
 
@@ -322,17 +426,32 @@ class IndexCatalog:
         deleted = await trio.to_thread.run_sync(self.store.delete_entries, dropped[0])
         log.info("index %s dropped: %d entries deleted", name, deleted)
 
+    def _drop_deferred(self, name: str) -> None:
+        """A deferred index has no entries and no stream carries it: it is only forgotten."""
+        try:
+            self.store.drop_index(name)
+        except StoreError as exc:
+            raise CatalogError(404, str(exc)) from None
+        log.info("index %s dropped (deferred: it held nothing)", name)
+
     async def _drop_building(self, name: str) -> None:
+        """Drop an index during its build. The build stops; the other indexes built with it
+        go on from its progress on a new build stream without it, their entries kept."""
         build = self.builds[name]
         dropped: list[StoredIndex] = []
+        rest = [i for i in build.indexes if i.definition.name != name]
 
         async def stop_build() -> None:
-            if self.builds.get(name) is not build:
+            if not self._current(build):
                 raise CatalogError(409, f"index {name!r} finished its build meanwhile: drop again")
-            running = name in self._build_scopes
-            self._stop_build(name, f"index {name} was dropped")
-            if running:
+            scope = self._build_scopes.pop(build.name, None)
+            if scope is not None:
+                scope.cancel()
                 await build.stopped.wait()  # a build flush in progress lands first
+            self._stop_build(build, f"index {name} was dropped")
+            if rest:  # the cache holds what the stopped build wrote: the rest's columns of it
+                build.cache.remove_index(build.names.index(name))
+                self.add_build(rest, build.cache)
 
         def apply() -> None:
             dropped.append(self.store.drop_index(name))
@@ -340,19 +459,25 @@ class IndexCatalog:
 
         # Maintenance records carry its key: routers stop at the next handshake.
         await self.change_pipeline(apply, stop_build)
-        await trio.to_thread.run_sync(build.forget)
+        await trio.to_thread.run_sync(forget_progress, self.store, dropped)
         deleted = await trio.to_thread.run_sync(self.store.delete_entries, dropped[0])
         log.info("index %s dropped during its build: %d entries deleted", name, deleted)
+        if rest:
+            log.info(
+                "the build of %s goes on without it",
+                ", ".join(i.definition.name for i in rest),
+            )
 
     async def restart_builds(self) -> None:
         """After a rollback (pipeline stopped): every build starts again from zero."""
-        for name, build in list(self.builds.items()):
+        for build in self._running_builds():
             self._stop_build(
-                name, "the index rolled back: the build starts again", ErrorCode.ROLLBACK
+                build, "the index rolled back: the build starts again", ErrorCode.ROLLBACK
             )
             await trio.to_thread.run_sync(build.forget)
-            await trio.to_thread.run_sync(self.store.delete_entries, build.index)
-            self.add_build(build.index)
+            for index in build.indexes:
+                await trio.to_thread.run_sync(self.store.delete_entries, index)
+            self.add_build(build.indexes)
 
     async def change_pipeline(
         self,
@@ -379,6 +504,11 @@ class IndexCatalog:
                 await self.timekeeper.drain_all(switch)
         except PipelineClosed:
             raise CatalogError(503, "the daemon is shutting down") from None
+
+
+def _listing(names: Sequence[str]) -> str:
+    """Indexes as a log line names them: "index a", "indexes a, b"."""
+    return f"index {names[0]}" if len(names) == 1 else "indexes " + ", ".join(names)
 
 
 class _GiveUp(Exception):

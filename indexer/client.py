@@ -41,6 +41,12 @@ class ClientError(Exception):
         self.status = status
 
 
+def index_path(name: str, *rest: str) -> str:
+    """The URL path of an index's resource: `/indexes/NAME/REST...`, the name quoted (a
+    primary index is `#primary`, which a URL must not take for a fragment)."""
+    return "/".join(("/indexes", urllib.parse.quote(name, safe=""), *rest))
+
+
 def bearer(token: str | None) -> dict[str, str]:
     """The Authorization header of a token (none without one)."""
     return {AUTHORIZATION: f"Bearer {token}"} if token else {}

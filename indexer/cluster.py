@@ -27,13 +27,14 @@ import json
 import re
 import ssl
 import tomllib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from indexer.client import index_path
 from indexer.keys import MISSING, encode_key
 
 NODE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
@@ -194,17 +195,21 @@ class ClusterMapFile:
         return load_cluster_map(self.path)
 
 
-def row_order(row: dict[str, Any]) -> tuple[bytes, bytes]:
+def row_order(row: dict[str, Any], desc: Sequence[bool] = ()) -> tuple[bytes, bytes]:
     """Where a scan row (`{"key": [...], "id": ...}`, `missing` positions) sorts in an index:
-    its encoded key, then its docid's bytes, as the main index orders entries."""
+    its encoded key (`desc`: the key positions stored descending), then its docid's bytes, as
+    the main index orders entries."""
     missing = set(row.get("missing", ()))
     values = [MISSING if i in missing else v for i, v in enumerate(row["key"])]
-    return encode_key(values), str(row["id"]).encode()
+    return encode_key(values, desc), str(row["id"]).encode()
 
 
-def merge_rows(streams: Iterable[Iterable[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
-    """The rows of several nodes' scans (each in index order) as one scan in index order."""
-    return heapq.merge(*streams, key=row_order)
+def merge_rows(
+    streams: Iterable[Iterable[dict[str, Any]]], desc: Sequence[bool] = (), reverse: bool = False
+) -> Iterator[dict[str, Any]]:
+    """The rows of several nodes' scans (each in index order, or with `reverse` the other way)
+    as one scan in that order."""
+    return heapq.merge(*streams, key=lambda row: row_order(row, desc), reverse=reverse)
 
 
 def ndjson_rows(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
@@ -245,10 +250,18 @@ def scan_cluster(
         httpx.Client(timeout=timeout, headers=headers, verify=verify) as client,
         ExitStack() as stack,
     ):
-        streams = []
+        streams: list[Iterator[dict[str, Any]]] = []
+        desc: tuple[bool, ...] = ()
         for node in cluster.nodes:
             base = node.base_url(ssl_context is not None)
-            url = f"{base}/indexes/{index}/scan"
+            if not streams:  # the order of the index's keys, to merge the nodes' rows by
+                try:
+                    described = client.get(base + index_path(index))
+                except httpx.HTTPError as exc:
+                    raise ClusterScanError(f"node {node.name} ({base}): {exc}") from None
+                if described.status_code == 200:
+                    desc = tuple(k.endswith(" DESC") for k in described.json().get("keys", ()))
+            url = base + index_path(index, "scan")
             try:
                 response = stack.enter_context(client.stream("GET", url, params=params))
             except httpx.HTTPError as exc:
@@ -259,6 +272,6 @@ def scan_cluster(
                     f"node {node.name} ({base}): HTTP {response.status_code}: {message}"
                 )
             streams.append(ndjson_rows(response.iter_lines()))
-        rows = merge_rows(streams)
+        rows = merge_rows(streams, desc, params.get("order") == "desc")
         limit = params.get("limit")
         yield rows if limit is None else islice(rows, int(limit))

@@ -18,13 +18,14 @@ import psutil
 
 from config import default_config_text
 from indexer.cluster import ClusterMapError, parse_vbuckets
-from indexer.protocol import MAX_TOKEN_CHARS, IndexDefinition
+from indexer.expressions import ExpressionError, normalize_keys
+from indexer.protocol import MAX_TOKEN_CHARS, PRIMARY_KEY, IndexDefinition
 from indexer.storage import COMPACTION_NICE
 from indexer.where import WhereError, normalize_where
 from slab import parse_size
 
 INDEX_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
-FIELD_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+PRIMARY_NAME = "#primary"  # GSI's name for a primary index, allowed for one only
 MAX_INDEXES = 64
 MAX_KEYS = 16
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -150,15 +151,17 @@ class Config:
     compaction: CompactionConfig = CompactionConfig(3600.0)
     security: SecurityConfig = SecurityConfig()
     limits: LimitsConfig = LimitsConfig()
+    # The indexes with `defer_build = true`: stored "deferred" when new, built on request.
+    deferred: frozenset[str] = frozenset()
 
 
 def check_index_name(name: str) -> str | None:
     """Why `name` cannot name an index (None if it can): a letter, then up to 63 letters,
-    digits or _, so it never reads as a path or a route."""
-    if INDEX_NAME.match(name):
+    digits or _, so it never reads as a path or a route; or #primary, a primary index's."""
+    if INDEX_NAME.match(name) or name == PRIMARY_NAME:
         return None
     shown = name if len(name) <= 80 else name[:80] + "..."
-    return f"index name {shown!r}: a letter, then up to 63 letters, digits or _"
+    return f"index name {shown!r}: a letter, then up to 63 letters, digits or _ (or {PRIMARY_NAME})"
 
 
 def check_path(value: str | PurePath, key: str) -> Path:
@@ -300,29 +303,61 @@ def _indexes(tables: Any) -> tuple[IndexDefinition, ...]:
     out = []
     for name, table in tables.items():
         where = f"indexes.{name}"
-        if not INDEX_NAME.match(name):
-            raise ConfigError(f"{where}: an index name is a letter then letters, digits or _")
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: must be a table with `keys`")
-        unknown = set(table) - {"keys", "where"}
+        unknown = set(table) - {"keys", "where", "primary"}
         if unknown:
             raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key")
-        keys = table.get("keys")
-        if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_KEYS:
-            raise ConfigError(f"{where}.keys: must be a list of 1 to {MAX_KEYS} field paths")
-        for path in keys:
-            if not isinstance(path, str) or not FIELD_PATH.match(path):
-                raise ConfigError(f"{where}.keys: {path!r} is not a field path like address.zip")
-        condition = table.get("where")
-        if condition is not None:
-            if not isinstance(condition, str):
-                raise ConfigError(f'{where}.where: must be a string like "age >= 18"')
-            try:
-                condition = normalize_where(condition)
-            except WhereError as exc:
-                raise ConfigError(f"{where}.where: {exc}") from None
-        out.append(IndexDefinition(name, tuple(keys), condition))
+        try:
+            out.append(
+                index_definition(
+                    name, table.get("keys"), table.get("where"), table.get("primary"), f"{where}."
+                )
+            )
+        except DefinitionError as exc:
+            raise ConfigError(str(exc)) from None
     return tuple(out)
+
+
+class DefinitionError(ValueError):
+    """An index definition is not valid; the message names the member and says why."""
+
+
+def index_definition(
+    name: Any, keys: Any, where: Any, primary: Any, at: str = ""
+) -> IndexDefinition:
+    """An index definition from its members as given (a TOML table, a JSON body), checked and
+    in canonical form: `primary` makes the index on `META().id`. Messages start with `at`."""
+    if not isinstance(name, str) or check_index_name(name) is not None:
+        raise DefinitionError(
+            f"{at}name: a letter, then up to 63 letters, digits or _ (or {PRIMARY_NAME})"
+        )
+    if primary is not None and not isinstance(primary, bool):
+        raise DefinitionError(f"{at}primary: true or false")
+    if primary:
+        if keys is not None:
+            raise DefinitionError(f"{at}keys: a primary index has none (its key is META().id)")
+        if where is not None:
+            raise DefinitionError(f"{at}where: a primary index holds every document")
+        return IndexDefinition(name, (PRIMARY_KEY,))
+    if name == PRIMARY_NAME:
+        raise DefinitionError(f"{at}name: {PRIMARY_NAME} names a primary index (primary: true)")
+    if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_KEYS:
+        raise DefinitionError(
+            f"{at}keys: a list of 1 to {MAX_KEYS} key expressions (field paths like address.zip)"
+        )
+    try:
+        canonical = normalize_keys(keys)
+    except ExpressionError as exc:
+        raise DefinitionError(f"{at}keys: {exc}") from None
+    if where is not None:
+        if not isinstance(where, str):
+            raise DefinitionError(f'{at}where: a condition as a string, like "age >= 18"')
+        try:
+            where = normalize_where(where)
+        except WhereError as exc:
+            raise DefinitionError(f"{at}where: {exc}") from None
+    return IndexDefinition(name, canonical, where)
 
 
 def parse_config(text: str | None = None, source: str = "configuration") -> Config:
@@ -400,7 +435,8 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         interval_s=c.integer("interval_minutes", 0, 525_600) * 60.0,
         thread_nice=c.integer("thread_nice", 0, 19),
     )
-    indexes = _indexes(raw.get("indexes", {}))
+    deferred, tables = _deferred_builds(raw.get("indexes", {}))
+    indexes = _indexes(tables)
     security = _security(_Section(raw["security"], "security"))
     lim = _Section(raw["limits"], "limits")
     limits = LimitsConfig(
@@ -409,7 +445,28 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         max_concurrent_scans=lim.integer("max_concurrent_scans", 1, 100_000),
         max_scan_rows=lim.integer("max_scan_rows", 0, 1 << 62),
     )
-    return Config(server, pipeline, snapshots, slab, memory, indexes, compaction, security, limits)
+    return Config(
+        server, pipeline, snapshots, slab, memory, indexes, compaction, security, limits, deferred
+    )
+
+
+def _deferred_builds(tables: Any) -> tuple[frozenset[str], Any]:
+    """The names of the index tables with `defer_build = true`, and the tables without that
+    key: it is a state of the stored index, not part of its definition."""
+    if not isinstance(tables, dict):
+        return frozenset(), tables  # `_indexes` says what is wrong
+    deferred = set()
+    rest: dict[str, Any] = {}
+    for name, table in tables.items():
+        if isinstance(table, dict) and "defer_build" in table:
+            flag = table["defer_build"]
+            if not isinstance(flag, bool):
+                raise ConfigError(f"indexes.{name}.defer_build: must be true or false")
+            if flag:
+                deferred.add(name)
+            table = {k: v for k, v in table.items() if k != "defer_build"}
+        rest[name] = table
+    return frozenset(deferred), rest
 
 
 def _security(s: _Section) -> SecurityConfig:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import trio
 
 from indexer.asgi import serve_asgi
+from indexer.build import read_progress, resumed_builds
 from indexer.catalog import IndexCatalog
 from indexer.collector import freeze_long_lived, rare_collections
 from indexer.compaction import Compactor
@@ -126,9 +127,10 @@ async def serve(
             log.info(
                 "LevelDB compactions run at nice %d (thread %d)", nice, store.compaction_thread
             )
-        stored = store.ensure_indexes(config.indexes)
-        # Indexes in their initial build are written by their build stream, not maintained yet.
-        indexes = [i for i in stored if i.state != "building"]
+        stored = store.ensure_indexes(config.indexes, config.deferred)
+        # Indexes in their initial build are written by their build stream, not maintained yet;
+        # deferred ones wait for a build to be asked for.
+        indexes = [i for i in stored if i.state not in ("building", "deferred")]
         state = recover(config)
         restart = state.current.timestamp
         # What a crash (or a rollback cut short) left beyond the persisted snapshot is undone.
@@ -226,14 +228,21 @@ async def serve(
             server.data_dir,
         )
         catalog = IndexCatalog(pipeline)
-        for index in stored:
-            if index.state == "building":
-                build = catalog.add_build(index)
-                log.info(
-                    "index %s: resuming its build from seqno sum %d",
-                    index.definition.name,
-                    sum(build.progress),
-                )
+        building = {i.definition.name: i for i in stored if i.state == "building"}
+        progress = {
+            name: read_progress(store, index, len(registry.received))
+            for name, index in building.items()
+        }
+        for names in resumed_builds(progress):
+            build = catalog.add_build([building[name] for name in names])
+            one = len(names) == 1
+            log.info(
+                "%s %s: resuming %s build from seqno sum %d",
+                "index" if one else "indexes",
+                ", ".join(names),
+                "its" if one else "their",
+                sum(build.progress),
+            )
         # Maintenance records carry the keys of the indexes being built too; writers skip them.
         catalog.switch_writers()
         reader.reopen(catalog.columns)

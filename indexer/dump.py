@@ -28,6 +28,7 @@ def dump_lines(data_dir: Path, name: str) -> Iterator[str]:
     with IndexStore(data_dir, create=False) as store:
         index = store.index(name)
         count = len(index.definition.keys)
+        desc = index.definition.desc
         for entry in store.main_entries(index):
-            values, docid = split_entry(entry, count)
+            values, docid = split_entry(entry, count, desc)
             yield json_encode(entry_json(values, docid))

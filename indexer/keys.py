@@ -22,11 +22,14 @@ __all__ = [
     "collate",
     "decode_key",
     "decode_value",
+    "encode_desc",
     "encode_key",
     "encode_value",
     "entry_tail",
     "field_value",
     "index_key",
+    "join_entries",
+    "split_entries",
     "split_entry",
 ]
 
@@ -230,8 +233,23 @@ def encode_value(value: JSONValue) -> bytes:
     return bytes(out)
 
 
-def encode_key(values: Sequence[JSONValue]) -> bytes:
-    """Encode a composite key: the concatenation of its components' encodings."""
+def encode_desc(value: JSONValue) -> bytes:
+    """Encode a value of a DESC key position: every byte inverted, so memcmp order is reversed.
+
+    Inverting keeps the encoding self-delimiting and prefix-free; its type byte becomes 0xF7 to
+    0xFE, never 0xFF, so `P + 0xFF` still follows every key that starts with the prefix P.
+    """
+    return encode_value(value).translate(_INVERT)
+
+
+def encode_key(values: Sequence[JSONValue], desc: Sequence[bool] = ()) -> bytes:
+    """Encode a composite key: the concatenation of its components' encodings (`desc[i]`: the
+    i-th is stored descending, `encode_desc`)."""
+    if any(desc):
+        return b"".join(
+            encode_desc(v) if i < len(desc) and desc[i] else encode_value(v)
+            for i, v in enumerate(values)
+        )
     out = bytearray()
     try:
         for value in values:
@@ -385,18 +403,59 @@ def decode_value(data: bytes, pos: int = 0) -> tuple[JSONValue, int]:
         raise KeyEncodingError("encoding is nested too deeply") from None
 
 
-def decode_key(data: bytes, count: int, pos: int = 0) -> tuple[list[JSONValue], int]:
-    """Decode `count` composite-key components starting at pos; return them and the end offset."""
+def decode_key(
+    data: bytes, count: int, pos: int = 0, desc: Sequence[bool] = ()
+) -> tuple[list[JSONValue], int]:
+    """Decode `count` composite-key components starting at pos; return them and the end offset.
+
+    `desc[i]` says the i-th component is stored descending (`encode_desc`).
+    """
     if pos < 0:
         raise KeyEncodingError(f"negative offset {pos}")
     values: list[JSONValue] = []
     try:
-        for _ in range(count):
-            value, pos = _decode(data, pos)
+        if not any(desc):
+            for _ in range(count):
+                value, pos = _decode(data, pos)
+                values.append(value)
+            return values, pos
+        for i in range(count):
+            if i < len(desc) and desc[i]:
+                value, end = _decode(bytes(data[pos:]).translate(_INVERT), 0)
+                pos += end
+            else:
+                value, pos = _decode(data, pos)
             values.append(value)
     except RecursionError:
         raise KeyEncodingError("encoding is nested too deeply") from None
     return values, pos
+
+
+_ENTRY_LENGTH: Final = struct.Struct(">I")
+
+
+def join_entries(keys: Sequence[bytes]) -> bytes:
+    """The keys of one document in an array index, as its back-index value: each key after
+    its length (u32, big-endian). Empty keys are never joined: b"" means "in no entry"."""
+    pack = _ENTRY_LENGTH.pack
+    return b"".join(pack(len(k)) + k for k in keys)
+
+
+def split_entries(joined: bytes) -> list[bytes]:
+    """The keys `join_entries` joined, in their order."""
+    out = []
+    pos, end = 0, len(joined)
+    unpack = _ENTRY_LENGTH.unpack_from
+    while pos < end:
+        if pos + 4 > end:
+            raise _truncated()
+        (length,) = unpack(joined, pos)
+        pos += 4
+        if pos + length > end:
+            raise _truncated()
+        out.append(bytes(joined[pos : pos + length]))
+        pos += length
+    return out
 
 
 _DOCID_LENGTH: Final = struct.Struct(">H")
@@ -414,9 +473,11 @@ def entry_tail(docid: bytes) -> bytes:
     return docid + _DOCID_LENGTH.pack(len(docid))
 
 
-def split_entry(data: bytes, count: int) -> tuple[list[JSONValue], bytes]:
+def split_entry(
+    data: bytes, count: int, desc: Sequence[bool] = ()
+) -> tuple[list[JSONValue], bytes]:
     """Split a main-index entry (`count` key values, then `entry_tail`) into values and docid."""
-    values, pos = decode_key(data, count)
+    values, pos = decode_key(data, count, 0, desc)
     if len(data) < pos + 2:
         raise _truncated()
     (length,) = _DOCID_LENGTH.unpack_from(data, len(data) - 2)

@@ -90,6 +90,10 @@ class ErrorCode(IntEnum):
     SOURCE_MISMATCH = 18  # the node indexes another source's history (Handshake.source)
 
 
+PRIMARY_KEY = "META().id"
+"""The one key of a primary index (indexer/expressions.py parses it)."""
+
+
 class ProtocolError(Exception):
     """The peer sent bytes that break the protocol; `code` says how."""
 
@@ -101,13 +105,32 @@ class ProtocolError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class IndexDefinition:
-    """An index: a name, the JSON field paths whose values form its key, and for a partial
-    index the condition (canonical text, indexer/where.py) a document must meet to be in it.
+    """An index: a name, the key expressions whose values form its key (canonical text,
+    indexer/expressions.py: field paths mostly), and for a partial index the condition (canonical
+    text, indexer/where.py) a document must meet to be in it.
     """
 
     name: str
     keys: tuple[str, ...]
     where: str | None = None
+
+    @property
+    def array_key(self) -> int | None:
+        """The position of the array key (several entries per document), or None."""
+        for i, key in enumerate(self.keys):
+            if key.startswith(("DISTINCT ARRAY ", "ALL ARRAY ")):
+                return i
+        return None
+
+    @property
+    def desc(self) -> tuple[bool, ...]:
+        """Per key position, whether it is stored in descending order."""
+        return tuple(key.endswith(" DESC") for key in self.keys)
+
+    @property
+    def primary(self) -> bool:
+        """A primary index: every document, by its id (`META().id`)."""
+        return self.keys == (PRIMARY_KEY,) and self.where is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +161,8 @@ class Handshake:
     vbuckets: tuple[int, ...]
     failover_logs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     flow_control: bool = False
-    # A build stream: the name of the index being built (its initial build); "" = maintenance.
+    # A build stream: the name of the build, its indexes' names joined by commas (one index, or
+    # several built together); "" = maintenance.
     build: str = ""
     token: str = field(default="", repr=False)
     source: str = ""
@@ -173,7 +197,7 @@ class HandshakeReply:
     # vbucket -> seqno it was rolled back to at this handshake (its `restart` says the same).
     rollback: dict[int, int] = field(default_factory=dict)
     flow_control_bytes: int = 0  # the window, when the router asked for flow control
-    # Indexes being built: the router opens one build stream per name (Handshake.build).
+    # Builds running: the router opens one build stream per name (Handshake.build).
     builds: tuple[str, ...] = ()
 
 

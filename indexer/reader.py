@@ -70,7 +70,8 @@ class Reader:
         self._live: dict[int, trio.CancelScope] = {}
         self._closed_one = trio.Event()  # set (and replaced) whenever a connection ends
         self._kick: tuple[ErrorCode, str] | None = None
-        # Indexes being built, by name (shared with the catalog), and the build connections.
+        # Indexes being built, by index name (shared with the catalog; the indexes of one build
+        # share it), and the build connections, by their build's name.
         self.builds: dict[str, IndexBuild] = {}
         self._build_conns: dict[int, str] = {}
         self._build_kicks: dict[int, tuple[ErrorCode, str]] = {}
@@ -85,7 +86,7 @@ class Reader:
             self._live[conn_id].cancel()
 
     def close_builds(self, name: str, code: ErrorCode, message: str) -> None:
-        """Close the build connections of index `name` with an error frame saying why."""
+        """Close the build connections of build `name` with an error frame saying why."""
         for conn_id, building in list(self._build_conns.items()):
             if building == name:
                 self._build_kicks[conn_id] = (code, message)
@@ -102,8 +103,10 @@ class Reader:
             await self._closed_one.wait()
 
     def building(self) -> tuple[str, ...]:
-        """The indexes whose build streams routers should open."""
-        return tuple(name for name, build in self.builds.items() if build.state != "merged")
+        """The builds whose streams routers should open, by name (one per build, naming its
+        indexes: `build.stream_name`)."""
+        names = (build.name for build in self.builds.values() if build.state != "merged")
+        return tuple(dict.fromkeys(names))
 
     def reopen(self, indexes: Sequence[p.IndexDefinition] | None = None) -> None:
         """Accept connections again, handshaking with these index definitions (by default the
@@ -317,18 +320,18 @@ class Reader:
         log.info("router %s (%s): this node indexes %s", peer, router, p.describe_source(new))
 
     def _start_build_stream(self, conn: Connection) -> IndexBuild:
-        """A build handshake: the connection streams into the index's build from now on."""
+        """A build handshake: the connection streams into the build it names from now on."""
         assert conn.handshake is not None
         name = conn.handshake.build
-        build = self.builds.get(name)
-        if build is None or build.state == "merged":
-            raise ProtocolError(ErrorCode.BUILD_DONE, f"index {name!r} is not being built")
+        build = self.builds.get(name.split(",")[0])
+        if build is None or build.name != name or build.state == "merged":
+            raise ProtocolError(ErrorCode.BUILD_DONE, f"no build of {name!r} is running")
         # Peer routers (shards) each build their own vbuckets: several build streams of one
-        # index are fine as long as their vbuckets are disjoint, as for maintenance streams.
+        # build are fine as long as their vbuckets are disjoint, as for maintenance streams.
         conn.registry = build.registry
-        conn.claim_vbuckets(conn.handshake, f"index {name!r} has a build stream")
+        conn.claim_vbuckets(conn.handshake, f"the build of {name!r} has a build stream")
         self._build_conns[conn.conn_id] = name
-        conn.nkeys = 1
+        conn.nkeys = len(build.indexes)
         return build
 
     async def _reply_build(
@@ -347,7 +350,7 @@ class Reader:
             p.VbucketPosition(vb, registry.received[vb], 0) for vb in wanted if registry.owned[vb]
         )
         reply = p.HandshakeReply(
-            (build.index.definition,),
+            tuple(index.definition for index in build.indexes),
             len(registry.owned),
             owned,
             restart,

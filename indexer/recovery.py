@@ -186,10 +186,11 @@ def _revert(
         key = wanted.get(index.index_id, b"")
         if current == key:
             continue
-        if current:
-            batch.delete(index.main_prefix + current + tail)
+        for entry in index.entry_keys(current):
+            batch.delete(index.main_prefix + entry + tail)
+        for entry in index.entry_keys(key):
+            batch.put(index.main_prefix + entry + tail, b"")
         if key:
-            batch.put(index.main_prefix + key + tail, b"")
             batch.put(back, key)
         else:
             batch.delete(back)

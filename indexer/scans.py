@@ -18,7 +18,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from indexer.keys import MISSING, KeyEncodingError, decode_key, encode_key, split_entry
+from indexer.expressions import column_name
+from indexer.keys import (
+    MISSING,
+    KeyEncodingError,
+    decode_key,
+    encode_desc,
+    encode_key,
+    split_entry,
+)
 from indexer.storage import IndexStore, StoredIndex
 
 AFTER_PREFIX = b"\xff"
@@ -59,14 +67,32 @@ def merge_spans(ranges: Sequence[KeyRange]) -> tuple[KeyRange, ...]:
     return tuple(out)
 
 
-def _prefix(value: Any, nkeys: int, what: str) -> bytes:
+def _prefix(value: Any, nkeys: int, what: str, desc: Sequence[bool] = ()) -> bytes:
     values = value if isinstance(value, list) else [value]
     if not 1 <= len(values) <= nkeys:
         raise ScanRequestError(f"{what}: give 1 to {nkeys} key values, not {len(values)}")
     try:
-        return encode_key(values)
+        return encode_key(values, desc)
     except KeyEncodingError as exc:
         raise ScanRequestError(f"{what}: {exc}") from None
+
+
+def _successor(prefix: bytes) -> bytes:
+    """The first byte string after every string that starts with `prefix`."""
+    head = prefix.rstrip(b"\xff")
+    if not head:
+        raise ScanRequestError("prefix: no key follows it")
+    return head[:-1] + bytes([head[-1] + 1])
+
+
+def string_prefix_range(prefix: Any, desc: bool = False) -> KeyRange:
+    """The entries whose leading key is a string that starts with `prefix` (ids of a primary
+    index under `user::`, say)."""
+    if not isinstance(prefix, str):
+        raise ScanRequestError(f"prefix: a string, not {json.dumps(prefix)[:40]}")
+    whole = encode_desc(prefix) if desc else encode_key([prefix])
+    start = whole[:-2]  # the string's encoding without its terminator
+    return KeyRange(start, _successor(start))
 
 
 def key_range(
@@ -79,22 +105,32 @@ def key_range(
     has_eq: bool = False,
     has_low: bool = False,
     has_high: bool = False,
+    desc: Sequence[bool] = (),
 ) -> KeyRange:
-    """Byte bounds for an equality or a range on decoded key prefixes (JSON values)."""
+    """Byte bounds for an equality or a range on decoded key prefixes (JSON values).
+
+    `desc[i]`: key position i is stored descending. `low` and `high` bound the leading key's
+    values either way: on a DESC leading key, `high` is where the range starts in index order.
+    """
     if inclusion not in INCLUSIONS:
         raise ScanRequestError(f"inclusion: one of {', '.join(INCLUSIONS)}, not {inclusion!r}")
     if has_eq:
         if has_low or has_high:
             raise ScanRequestError("give eq or a low/high range, not both")
-        p = _prefix(eq, nkeys, "eq")
+        p = _prefix(eq, nkeys, "eq", desc)
         return KeyRange(p, p + AFTER_PREFIX)
+    low_included = inclusion in ("both", "low")
+    high_included = inclusion in ("both", "high")
+    if desc and desc[0]:  # the range's ends swap places in index order
+        low, high, has_low, has_high = high, low, has_high, has_low
+        low_included, high_included = high_included, low_included
     start = stop = None
     if has_low:
-        p = _prefix(low, nkeys, "low")
-        start = p if inclusion in ("both", "low") else p + AFTER_PREFIX
+        p = _prefix(low, nkeys, "low" if not (desc and desc[0]) else "high", desc)
+        start = p if low_included else p + AFTER_PREFIX
     if has_high:
-        p = _prefix(high, nkeys, "high")
-        stop = p + AFTER_PREFIX if inclusion in ("both", "high") else p
+        p = _prefix(high, nkeys, "high" if not (desc and desc[0]) else "low", desc)
+        stop = p + AFTER_PREFIX if high_included else p
     return KeyRange(start, stop)
 
 
@@ -136,8 +172,9 @@ def iterate(
     LevelDB snapshot."""
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
+    desc = index.definition.desc
     for entry in _entries(store, index, snapshot, bounds, limit, reverse):
-        values, docid = split_entry(entry[cut:], count)
+        values, docid = split_entry(entry[cut:], count, desc)
         yield Row(values, docid.decode("utf-8", errors="replace"))
 
 
@@ -162,8 +199,9 @@ def page_batches(
     """The entries of a page as `entry_batches` gives a scan's."""
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
+    desc = index.definition.desc
     for start in range(0, len(entries), chunk):
-        yield _split_batch(entries[start : start + chunk], cut, count)
+        yield _split_batch(entries[start : start + chunk], cut, count, True, desc)
 
 
 def after(bounds: Bounds, entry: bytes, reverse: bool) -> Bounds:
@@ -190,10 +228,14 @@ def lookup(store: IndexStore, index: StoredIndex, snapshot: Any, docid: str) -> 
     key = source.get(index.back_prefix + docid.encode())
     if key is None:
         return []
-    values, end = decode_key(key, len(index.definition.keys))
-    if end != len(key):
-        raise KeyEncodingError(f"{len(key) - end} stray bytes after a back-index key")
-    return [Row(values, docid)]
+    definition = index.definition
+    rows = []
+    for entry in sorted(index.entry_keys(key)):  # in index order
+        values, end = decode_key(entry, len(definition.keys), 0, definition.desc)
+        if end != len(entry):
+            raise KeyEncodingError(f"{len(entry) - end} stray bytes after a back-index key")
+        rows.append(Row(values, docid))
+    return rows
 
 
 def count_entries(store: IndexStore, index: StoredIndex, snapshot: Any, bounds: Bounds) -> int:
@@ -315,13 +357,16 @@ def entry_batches(
     entries = _entries(store, index, snapshot, bounds, limit, reverse)
     if offset:
         entries = islice(entries, offset, None)
+    desc = index.definition.desc
     while entries_of_batch := list(islice(entries, chunk)):
-        yield _split_batch(entries_of_batch, cut, count, docids)
+        yield _split_batch(entries_of_batch, cut, count, docids, desc)
 
 
-def _split_batch(entries: list[bytes], cut: int, count: int, docids: bool = True) -> EntryBatch:
+def _split_batch(
+    entries: list[bytes], cut: int, count: int, docids: bool = True, desc: Sequence[bool] = ()
+) -> EntryBatch:
     """A batch of entries split into docids (`docids`: else left empty, for aggregates) and
-    distinct keys with each row's code."""
+    distinct keys with each row's code (`desc`: the key positions stored descending)."""
     n = len(entries)
     whole = pa.array(entries, pa.binary())
     _, offsets_buffer, data_buffer = whole.buffers()
@@ -336,7 +381,7 @@ def _split_batch(entries: list[bytes], cut: int, count: int, docids: bool = True
     encoded = pc.dictionary_encode(_gather(pa.binary(), key_starts, id_starts - key_starts, data))
     keys = []
     for key in encoded.dictionary.to_pylist():
-        values, end = decode_key(key, count)
+        values, end = decode_key(key, count, 0, desc)
         if end != len(key):
             raise KeyEncodingError(f"{len(key) - end} stray bytes after a key of {count} values")
         keys.append(values)
@@ -370,9 +415,9 @@ def _slices(entries: list[bytes], starts: Any, lengths: Any) -> Iterator[tuple[b
     return zip(entries, starts.tolist(), lengths.tolist(), strict=True)
 
 
-def column_names(paths: Sequence[str]) -> list[str]:
-    """Spark-friendly column names of key paths: dots become underscores."""
-    return [p.replace(".", "_") for p in paths]
+def column_names(keys: Sequence[str]) -> list[str]:
+    """Spark-friendly column names of an index's keys (`expressions.column_name`)."""
+    return [column_name(key) for key in keys]
 
 
 # --------------------------------------------------------------------------------------------

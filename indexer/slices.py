@@ -46,11 +46,12 @@ def delete_vbuckets(
         prefix_main = index.main_prefix
         puts: list[tuple[bytes, bytes]] = []
         deletes: list[bytes] = []
-        for docid, key in store.back_entries(index):
+        for docid, back in store.back_entries(index):
             if zlib.crc32(docid) % num_vbuckets in vbuckets:
                 gone.add(docid)
                 deletes.append(index.back_prefix + docid)
-                deletes.append(prefix_main + key + entry_tail(docid))
+                tail = entry_tail(docid)
+                deletes.extend(prefix_main + key + tail for key in index.entry_keys(back))
                 if len(deletes) >= batch_size:
                     store.write(puts, deletes)
                     deletes = []

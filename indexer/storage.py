@@ -21,14 +21,15 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import plyvel
 
-from indexer.keys import entry_tail
+from indexer.keys import entry_tail, split_entries
 from indexer.protocol import IndexDefinition
 
 STORE_DIR = "store"
@@ -73,10 +74,12 @@ class StoreLockedError(StoreError):
 class StoredIndex:
     """An index as the store knows it: its definition and the prefixes of its entries.
 
-    `state` is "active" for an index the stream maintains, and "building" for one created over
-    data already streamed, while its initial build runs (indexer/build.py). Stores of earlier
-    versions may hold "incremental": an index created at run time before builds existed, which
-    holds only what was streamed after its creation.
+    `state` is "active" for an index the stream maintains, "building" for one created over
+    data already streamed, while its initial build runs (indexer/build.py), and "deferred" for
+    one created with `defer_build`: defined, holding nothing and carried by no stream until a
+    build is asked for (GSI's `BUILD INDEX`). Stores of earlier versions may hold "incremental":
+    an index created at run time before builds existed, which holds only what was streamed
+    after its creation.
     """
 
     definition: IndexDefinition
@@ -90,6 +93,20 @@ class StoredIndex:
     @property
     def back_prefix(self) -> bytes:
         return b"r" + _ID.pack(self.index_id)
+
+    @cached_property
+    def array(self) -> bool:
+        """Whether a document may have several entries (an array key)."""
+        return self.definition.array_key is not None
+
+    def entry_keys(self, back: bytes) -> list[bytes]:
+        """The keys of the main entries a back-index value stands for: none for b"", the value
+        itself, or for an array index each distinct key it joins (`keys.join_entries`)."""
+        if not back:
+            return []
+        if not self.array:
+            return [back]
+        return list(dict.fromkeys(split_entries(back)))
 
 
 def open_leveldb(
@@ -208,7 +225,8 @@ class IndexStore:
             stale = list(self.db.iterator(prefix=index.main_prefix, include_value=False))
             fresh = [
                 (index.main_prefix + key + entry_tail(docid), b"")
-                for docid, key in self.back_entries(index)
+                for docid, back in self.back_entries(index)
+                for key in index.entry_keys(back)
             ]
             self.write(fresh, stale)
         self.db.put(_META_FORMAT, str(ENTRY_FORMAT).encode(), sync=True)
@@ -233,8 +251,11 @@ class IndexStore:
             known = ", ".join(sorted(self._indexes)) or "none"
             raise StoreError(f"no index named {name!r} in the store (indexes: {known})") from None
 
-    def ensure_indexes(self, definitions: Sequence[IndexDefinition]) -> list[StoredIndex]:
-        """Every stored index, after registering the given definitions that are new.
+    def ensure_indexes(
+        self, definitions: Sequence[IndexDefinition], deferred: Collection[str] = ()
+    ) -> list[StoredIndex]:
+        """Every stored index, after registering the given definitions that are new: "active",
+        or "deferred" for those named in `deferred` (a configuration's `defer_build`).
 
         Indexes created at run time stay until dropped. An index whose key paths or `where`
         differ from the stored ones is an error: its entries would mix two definitions.
@@ -242,7 +263,7 @@ class IndexStore:
         for definition in definitions:
             stored = self._indexes.get(definition.name)
             if stored is None:
-                self._register(definition, "active")
+                self._register(definition, "deferred" if definition.name in deferred else "active")
             elif stored.definition.keys != definition.keys:
                 raise StoreError(
                     f"index {definition.name!r} is stored with keys "
@@ -288,11 +309,17 @@ class IndexStore:
 
     def activate(self, name: str) -> StoredIndex:
         """A built index becomes active (maintained by the stream like the others)."""
-        stored = self.index(name)
-        active = StoredIndex(stored.definition, stored.index_id, "active")
-        self._indexes[name] = active
+        return self.set_states([name], "active")[0]
+
+    def set_states(self, names: Sequence[str], state: str) -> list[StoredIndex]:
+        """Give these indexes a new state in one synced write (a deferred build starting, a
+        build merged); the indexes as now stored, in the order of `names`."""
+        changed = [self.index(name) for name in names]
+        changed = [StoredIndex(s.definition, s.index_id, state) for s in changed]
+        for stored in changed:
+            self._indexes[stored.definition.name] = stored
         self._save_meta()
-        return active
+        return changed
 
     def drop_index(self, name: str) -> StoredIndex:
         """Forget an index; its entries stay until `delete_entries` (run it in a thread)."""

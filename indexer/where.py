@@ -20,12 +20,12 @@ condition is TRUE. `str(expr)` is the canonical text: it parses back to an equal
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeAlias
 
+from indexer.grammar import MAX_DEPTH, Parser, tokenize
 from indexer.keys import MISSING, JSONValue, collate, field_value
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 MAX_LENGTH: Final = 4096
-MAX_DEPTH: Final = 32
 
 KEYWORDS: Final = frozenset(
     {"AND", "OR", "NOT", "IN", "IS", "NULL", "MISSING", "VALUED", "TRUE", "FALSE"}
@@ -234,88 +233,15 @@ _TOKEN: Final = re.compile(
     """,
     re.VERBOSE | re.DOTALL,
 )
-_ESCAPES: Final = {
-    '"': '"', "'": "'", "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t",
-}  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class _Token:
-    kind: str  # number, string, name, keyword, op, punct, end
-    text: str
-    pos: int
-
-
-def _unquote(text: str, pos: int) -> str:
-    """The value of a quoted string token: backslash escapes as in JSON, plus \\'."""
-    out: list[str] = []
-    i, end = 1, len(text) - 1
-    while i < end:
-        c = text[i]
-        if c != "\\":
-            out.append(c)
-            i += 1
-            continue
-        e = text[i + 1]
-        if e in _ESCAPES:
-            out.append(_ESCAPES[e])
-            i += 2
-        elif e == "u" and re.fullmatch(r"[0-9A-Fa-f]{4}", text[i + 2 : i + 6]):
-            out.append(chr(int(text[i + 2 : i + 6], 16)))
-            i += 6
-        else:
-            escape = text[i : i + 2]
-            raise WhereError(f"bad escape {escape!r} in a string at position {pos + i + 1}")
-    return "".join(out)
-
-
-def _tokens(text: str) -> list[_Token]:
-    out: list[_Token] = []
-    pos = 0
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if m is None:
-            if text[pos] in "\"'":
-                raise WhereError(f"unterminated string at position {pos + 1}")
-            raise WhereError(f"unexpected character {text[pos]!r} at position {pos + 1}")
-        kind = m.lastgroup or ""
-        word = m.group()
-        if kind == "name" and word.upper() in KEYWORDS:
-            out.append(_Token("keyword", word.upper(), pos))
-        elif kind != "space":
-            out.append(_Token(kind, word, pos))
-        pos = m.end()
-    out.append(_Token("end", "", len(text)))
-    return out
-
-
-class _Parser:
+class _Parser(Parser):
     """Recursive descent over the tokens; `depth` counts open parentheses and NOTs."""
 
+    error = WhereError
+
     def __init__(self, text: str) -> None:
-        self.tokens = _tokens(text)
-        self.i = 0
-        self.depth = 0
-
-    @property
-    def token(self) -> _Token:
-        return self.tokens[self.i]
-
-    def fail(self, expected: str) -> WhereError:
-        t = self.token
-        found = "the end" if t.kind == "end" else repr(t.text)
-        return WhereError(f"expected {expected}, found {found} at position {t.pos + 1}")
-
-    def accept(self, kind: str, text: str | None = None) -> _Token | None:
-        t = self.token
-        if t.kind == kind and (text is None or t.text == text):
-            self.i += 1
-            return t
-        return None
-
-    def expect(self, kind: str, text: str, expected: str) -> None:
-        if self.accept(kind, text) is None:
-            raise self.fail(expected)
+        super().__init__(tokenize(text, _TOKEN, KEYWORDS, WhereError))
 
     def parse(self) -> Expr:
         expr = self.or_()
@@ -337,13 +263,6 @@ class _Parser:
 
     def and_(self) -> Expr:
         return self._chain("AND", self.not_, And)
-
-    def nested(self) -> None:
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise WhereError(
-                f"nested more than {MAX_DEPTH} levels deep at position {self.token.pos + 1}"
-            )
 
     def not_(self) -> Expr:
         if self.accept("keyword", "NOT"):
@@ -401,15 +320,9 @@ class _Parser:
         if t.kind == "name":
             self.i += 1
             return Field(t.text.replace("`", ""))
-        if t.kind == "number":
-            self.i += 1
-            value: JSONValue = float(t.text) if any(c in t.text for c in ".eE") else int(t.text)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise WhereError(f"number out of range at position {t.pos + 1}")
+        found, value = self.literal()
+        if found:
             return Literal(value)
-        if t.kind == "string":
-            self.i += 1
-            return Literal(_unquote(t.text, t.pos))
         if t.kind == "keyword" and t.text in ("TRUE", "FALSE", "NULL"):
             self.i += 1
             return Literal({"TRUE": True, "FALSE": False, "NULL": None}[t.text])

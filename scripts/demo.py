@@ -51,8 +51,9 @@ def main() -> None:
         print(f"== feeding {MUTATIONS} generated mutations through a router feed")
         started = time.monotonic()
         fed = subprocess.run(
-            indexer("feed", "--to", f"{server.host}:{server.feed_port}", "--generate",
-                    str(MUTATIONS)),
+            indexer(
+                "feed", "--to", f"{server.host}:{server.feed_port}", "--generate", str(MUTATIONS)
+            ),
             check=False,
         )
         if fed.returncode != 0:
@@ -62,8 +63,18 @@ def main() -> None:
         out = Path("demo-output") / "by_city_summary.parquet"
         print(f"== a Spark job (local) reads the persisted snapshot of by_city from {url}")
         job = subprocess.run(
-            [sys.executable, "examples/spark_job.py", "--url", url, "--index", "by_city",
-             "--out", str(out), "--top", "5"],
+            [
+                sys.executable,
+                "examples/spark_job.py",
+                "--url",
+                url,
+                "--index",
+                "by_city",
+                "--out",
+                str(out),
+                "--top",
+                "5",
+            ],
             check=False,
         )
         if job.returncode != 0:

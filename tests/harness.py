@@ -439,12 +439,20 @@ def model(
         if values[0] is MISSING:
             continue
         rows.append((values, docid))
+    return ordered_entries(rows)
+
+
+def ordered_entries(
+    rows: list[tuple[list[Any], str]], desc: Sequence[bool] = ()
+) -> list[dict[str, Any]]:
+    """(key values, docid) pairs as a scan answers them: in index order (`desc[i]`: key
+    position i descending), MISSING as null with its positions listed in "missing"."""
 
     def order(a: tuple[list[Any], str], b: tuple[list[Any], str]) -> int:
-        for x, y in zip(a[0], b[0], strict=True):
+        for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)):
             c = collate(x, y)
             if c:
-                return c
+                return -c if i < len(desc) and desc[i] else c
         ka, kb = a[1].encode(), b[1].encode()
         return (ka > kb) - (ka < kb)
 

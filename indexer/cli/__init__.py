@@ -1,5 +1,5 @@
 """The `indexer` command line: serve, feed, router, dump, and the HTTP API's clients (stats,
-list-indexes, scan, count, health, create-index, drop-index, compact).
+list-indexes, scan, count, health, create-index, build-index, drop-index, compact).
 
 Every error ends the command with a non-zero exit and one line on stderr saying what is wrong.
 The same thing has the same placeholder in every command's help: FILE, DIR, HOST:PORT, URL,
@@ -12,6 +12,7 @@ import click
 
 from indexer.cli.admin import (
     aggregate,
+    build_index,
     compact,
     count,
     create_index,
@@ -55,6 +56,7 @@ for _command in (
     aggregate,
     health,
     create_index,
+    build_index,
     drop_index,
 ):
     main.add_command(_command)

@@ -1,5 +1,5 @@
 """The operator's commands: `dump` (a stopped node's store) and the HTTP API's clients (stats,
-list-indexes, scan, count, health, create-index, drop-index, compact)."""
+list-indexes, scan, count, health, create-index, build-index, drop-index, compact)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from indexer.client import NEXT_HEADER
+from indexer.client import NEXT_HEADER, index_path
 
 if TYPE_CHECKING:
     pass
@@ -379,7 +379,7 @@ def scan(
         while True:
             with httpx.stream(
                 "GET",
-                f"{base}/indexes/{name}/scan",
+                base + index_path(name, "scan"),
                 params=params,
                 timeout=timeout + 30,
                 headers=api.headers,
@@ -485,7 +485,7 @@ def aggregate(
     params = _query_params(eq, low, high, spans, inclusion, consistency, at_plus, timeout)
     params.update(group_by=group_by, aggregates=aggregates)
     response = _call(
-        daemon.connect(), "GET", f"/indexes/{name}/aggregate", params=params, timeout=timeout + 30
+        daemon.connect(), "GET", index_path(name, "aggregate"), params=params, timeout=timeout + 30
     )
     if response.status_code != 200:
         _http_error(response)
@@ -517,7 +517,7 @@ def lookup(name: str, docid: str, daemon: ApiOptions, consistency: str) -> None:
     from urllib.parse import quote
 
     _index_name(name)
-    path = f"/indexes/{name}/docs/{quote(docid, safe='')}"
+    path = index_path(name, "docs", quote(docid, safe=""))
     answer = _get_json(daemon.connect(), path, {"consistency": consistency}, 150)
     for entry in answer["entries"]:
         click.echo(json.dumps(entry, ensure_ascii=False, separators=(", ", ": ")))
@@ -551,7 +551,7 @@ def count(
     _index_name(name)
     params = _query_params(eq, low, high, spans, inclusion, consistency, at_plus, timeout)
     # The daemon answers 504 after `timeout`: the client waits a little longer.
-    answer = _get_json(daemon.connect(), f"/indexes/{name}/count", params, timeout + 30)
+    answer = _get_json(daemon.connect(), index_path(name, "count"), params, timeout + 30)
     click.echo(answer["count"])
 
 
@@ -585,20 +585,7 @@ def health(daemon: ApiOptions, timeout: float) -> None:
     click.echo(f"{api.base}: ok")
 
 
-@click.command("create-index")
-@click.argument("name")
-@click.option(
-    "--keys", required=True, metavar="PATHS", help="Field paths of the key, comma-separated."
-)
-@click.option(
-    "--where", metavar="CONDITION", help='A condition for a partial index, like "age >= 18".'
-)
-@click.option(
-    "--wait",
-    is_flag=True,
-    help="Wait until the index is active, with a progress bar while it is built.",
-)
-@click.option(
+WAIT_TIMEOUT_OPTION = click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
     metavar="SECONDS",
@@ -606,29 +593,73 @@ def health(daemon: ApiOptions, timeout: float) -> None:
     show_default=True,
     help="How long --wait waits at most.",
 )
+
+
+@click.command("create-index")
+@click.argument("name")
+@click.option(
+    "--keys",
+    metavar="PATHS",
+    help="The keys, comma-separated: field paths or expressions such as LOWER(name), "
+    "age DESC or DISTINCT ARRAY t FOR t IN tags END.",
+)
+@click.option(
+    "--primary",
+    is_flag=True,
+    help="A primary index: every document by its id (META().id), no --keys; GSI names it #primary.",
+)
+@click.option(
+    "--where", metavar="CONDITION", help='A condition for a partial index, like "age >= 18".'
+)
+@click.option(
+    "--defer",
+    is_flag=True,
+    help="Only define it (state deferred, holding nothing) until `indexer build-index` builds "
+    "it, with other deferred indexes in one pass over the data.",
+)
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait until the index is active, with a progress bar while it is built.",
+)
+@WAIT_TIMEOUT_OPTION
 @api_options
 def create_index(
     name: str,
-    keys: str,
+    keys: str | None,
+    primary: bool,
     where: str | None,
+    defer: bool,
     wait: bool,
     timeout: float,
     daemon: ApiOptions,
 ) -> None:
     """Create index NAME on a running daemon. Over data already streamed it is built first
-    (state building, then catchup) and becomes active once caught up.
+    (state building, then catchup) and becomes active once caught up; with --defer it waits
+    (state deferred) for build-index.
 
     Examples:
 
     \b
-      indexer create-index by_zip --keys address.zip,name --wait
-      indexer create-index adults --keys age --where "age >= 18"
+      indexer create-index by_tag --keys "DISTINCT ARRAY t FOR t IN tags END,age DESC" --wait
+      indexer create-index adults --keys age --where "age >= 18" --defer
     """
     _index_name(name)
+    if defer and wait:
+        fail("give --defer or --wait, not both: a deferred index is built by build-index", 2)
+    if (keys is None) == (not primary):
+        fail("give --keys, or --primary for a primary index", 2)
     api = daemon.connect()
-    body: dict[str, Any] = {"name": name, "keys": [k.strip() for k in keys.split(",") if k.strip()]}
+    body: dict[str, Any] = {"name": name}
+    if primary:
+        body["primary"] = True
+    else:
+        assert keys is not None
+        body["keys"] = [k.strip() for k in keys.split(",") if k.strip()]
     if where is not None:
         body["where"] = where
+    if defer:
+        body["defer_build"] = True
     response = _call(api, "POST", "/indexes", body=body, timeout=120)
     if response.status_code != 201:
         _http_error(response)
@@ -639,6 +670,46 @@ def create_index(
     )
     if wait and created["state"] != "active":
         _wait_built(api, name, timeout)
+
+
+@click.command("build-index")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="Wait until the indexes are active, with a progress bar while they are built.",
+)
+@WAIT_TIMEOUT_OPTION
+@api_options
+def build_index(
+    names: tuple[str, ...],
+    wait: bool,
+    timeout: float,
+    daemon: ApiOptions,
+) -> None:
+    """Build deferred indexes (created with create-index --defer) on a running daemon, all in
+    one pass over the data on one build stream (POST /indexes/_build); prints their states.
+
+    Examples:
+
+    \b
+      indexer build-index by_zip by_name adults --wait
+      indexer build-index by_zip --url http://127.0.0.1:9102
+    """
+    import time
+
+    for name in names:
+        _index_name(name)
+    api = daemon.connect()
+    response = _call(api, "POST", "/indexes/_build", body={"indexes": list(names)}, timeout=120)
+    if response.status_code not in (200, 202):
+        _http_error(response)
+    for entry in response.json()["indexes"]:
+        click.echo(f"{entry['name']}: {entry['state']}")
+    if wait:
+        deadline = time.monotonic() + timeout
+        for name in names:
+            _wait_built(api, name, max(deadline - time.monotonic(), 0.0))
 
 
 def _wait_built(api: Api, name: str, timeout: float) -> None:
@@ -683,7 +754,7 @@ def drop_index(
     """
     _index_name(name)
     api = daemon.connect()
-    response = _call(api, "DELETE", f"/indexes/{name}", timeout=600)
+    response = _call(api, "DELETE", index_path(name), timeout=600)
     if response.status_code != 204:
         _http_error(response)
     click.echo(f"dropped {name}")

@@ -16,7 +16,9 @@ Routes (JSON unless said otherwise; errors are `{"error": message}` with a 4xx/5
     POST   /snapshots/ID/renew       extend a pin's lease
     DELETE /snapshots/ID             release a pin
 
-    POST   /indexes                  create an index (a build over existing data)
+    POST   /indexes                  create an index (a build over existing data; with
+                                     "defer_build": true only stored, state deferred)
+    POST   /indexes/_build           build deferred indexes together, on one build stream
     DELETE /indexes/NAME             drop an index
     POST   /compact                  compact the store now
 
@@ -76,8 +78,8 @@ the scans served at once (429) and the rows of one scan (413). See docs/security
 One module per job, each class adding its methods to the one before: `wire` (routes, errors,
 reading requests and writing answers), `state` (the daemon as the API sees it, the counters,
 what the indexes are), `stats` (GET /stats, GET /metrics), `admin` (the catalog: POST /indexes,
-GET and DELETE /indexes/NAME), `scans` (scans, counts, splits and pins) and `app` (the ASGI
-application: routing and the token check).
+POST /indexes/_build, GET and DELETE /indexes/NAME), `scans` (scans, counts, splits and pins)
+and `app` (the ASGI application: routing and the token check).
 """
 
 from __future__ import annotations

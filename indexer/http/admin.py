@@ -6,12 +6,10 @@ from collections.abc import Awaitable
 from typing import Any
 
 from indexer.catalog import CatalogError, IndexCatalog
-from indexer.config import FIELD_PATH, INDEX_NAME, MAX_KEYS
+from indexer.config import DefinitionError, check_index_name, index_definition
 from indexer.http.stats import StatsRoutes
 from indexer.http.wire import ApiError, Send, _json
-from indexer.protocol import IndexDefinition
 from indexer.storage import StoredIndex
-from indexer.where import WhereError, normalize_where
 
 
 class AdminRoutes(StatsRoutes):
@@ -29,31 +27,24 @@ class AdminRoutes(StatsRoutes):
             raise ApiError(exc.status, exc.message) from None
 
     async def create_index(self, body: dict[str, Any], send: Send) -> None:
-        name = body.get("name")
-        keys = body.get("keys")
-        if not isinstance(name, str) or not INDEX_NAME.match(name):
-            raise ApiError(400, "name: a letter, then up to 63 letters, digits or _")
-        if not isinstance(keys, list) or not 1 <= len(keys) <= MAX_KEYS:
-            raise ApiError(400, f"keys: a list of 1 to {MAX_KEYS} field paths")
-        for path in keys:
-            if not isinstance(path, str) or not FIELD_PATH.match(path):
-                raise ApiError(400, f"keys: {path!r} is not a field path like address.zip")
-        where = body.get("where")
-        if where is not None:
-            if not isinstance(where, str):
-                raise ApiError(400, 'where: a condition as a string, like "age >= 18"')
-            try:
-                where = normalize_where(where)
-            except WhereError as exc:
-                raise ApiError(400, f"where: {exc}") from None
-        unknown = set(body) - {"name", "keys", "where"}
+        # A state of the stored index, not part of its definition: taken out first.
+        defer = body.pop("defer_build", False)
+        if not isinstance(defer, bool):
+            raise ApiError(400, "defer_build: true or false")
+        unknown = set(body) - {"name", "keys", "where", "primary"}
         if unknown:
             raise ApiError(400, f"{sorted(unknown)[0]}: unknown member")
-        definition = IndexDefinition(name, tuple(keys), where)
+        try:
+            definition = index_definition(
+                body.get("name"), body.get("keys"), body.get("where"), body.get("primary")
+            )
+        except DefinitionError as exc:
+            raise ApiError(400, str(exc)) from None
+        name = definition.name
         catalog = self._catalog()
-        stored = await self._catalog_call(catalog.create(definition))
+        stored = await self._catalog_call(catalog.create(definition, defer))
         build = catalog.builds.get(name)
-        entry = self._index_entry(stored, 0) if build is None else self._build_entry(build)
+        entry = self._index_entry(stored, 0) if build is None else self._build_entry(build, name)
         await _json(send, 201, entry)
 
     def _index(self, name: str, query: dict[str, str] | None = None) -> StoredIndex:
@@ -69,7 +60,9 @@ class AdminRoutes(StatsRoutes):
                     f"index {name!r} is {status.state} ({status.percent:g}% built): only "
                     "consistency=any reads it before it is active, and sees what is built so far",
                 )
-            return build.index
+            return build.index(name)
+        if any(i.definition.name == name for i in self._deferred()):
+            raise ApiError(409, deferred_message(name))
         raise ApiError(404, f"no index named {name!r}")
 
     async def index_details(self, name: str) -> dict[str, Any]:
@@ -81,3 +74,37 @@ class AdminRoutes(StatsRoutes):
             if entry["name"] == name:
                 return {**entry, **self.index_stats(name, entry["entries"])}
         raise ApiError(404, f"no index named {name!r}")
+
+    async def build_indexes(self, body: dict[str, Any], send: Send) -> None:
+        """POST /indexes/_build {"indexes": [NAME, ...]}: build deferred indexes together, on
+        one build stream; 202 with their entries of /indexes (200 when active at once)."""
+        names = body.get("indexes")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise ApiError(400, 'indexes: a list of deferred index names, like {"indexes": ["a"]}')
+        unknown = set(body) - {"indexes"}
+        if unknown:
+            raise ApiError(400, f"{sorted(unknown)[0]}: unknown member")
+        for name in names:
+            problem = check_index_name(name)
+            if problem is not None:
+                raise ApiError(400, f"indexes: {problem}")
+        catalog = self._catalog()
+        built = await self._catalog_call(catalog.build(names))
+        entries = []
+        for stored in built:
+            build = catalog.builds.get(stored.definition.name)
+            entries.append(
+                self._index_entry(stored, 0)
+                if build is None
+                else self._build_entry(build, stored.definition.name)
+            )
+        status = 200 if all(e["state"] == "active" for e in entries) else 202
+        await _json(send, status, {"indexes": entries})
+
+
+def deferred_message(name: str) -> str:
+    """Why a deferred index cannot be read, and how to build it (one line)."""
+    return (
+        f"index {name!r} is deferred (created with defer_build): it holds nothing until built "
+        f"with POST /indexes/_build or `indexer build-index {name}`"
+    )

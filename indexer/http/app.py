@@ -13,6 +13,7 @@ from indexer.config import check_index_name
 from indexer.http.scans import ScanRoutes
 from indexer.http.wire import (
     ACTION_PARAMS,
+    BUILD_ROUTE,
     DEFAULT_LEASE_S,
     INDEX_ACTIONS,
     MAX_LEASE_S,
@@ -88,6 +89,9 @@ class HttpApi(ScanRoutes):
                 return
             _only(method, "GET")
             await _json(send, 200, {"indexes": self.index_list()})
+        elif path == BUILD_ROUTE:  # "_build" is no index name: it cannot shadow one
+            _only(method, "POST")
+            await self.build_indexes(await _body_json(receive), send)
         elif path.startswith("/indexes/"):
             await self._index_route(method, path, query, headers, send)
         elif path == "/compact":

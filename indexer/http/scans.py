@@ -41,6 +41,7 @@ from indexer.http.wire import (
     _start,
     _vector,
 )
+from indexer.protocol import IndexDefinition
 from indexer.scans import (
     COLUMN_KINDS,
     Bounds,
@@ -60,6 +61,7 @@ from indexer.scans import (
     page_batches,
     parse_json_param,
     splits,
+    string_prefix_range,
 )
 from indexer.snapshots import RolledBackError, StabilitySnapshot
 from indexer.storage import StoredIndex
@@ -212,10 +214,16 @@ def group_batch(
     return True
 
 
-def _span_range(nkeys: int, span: dict[str, Any]) -> KeyRange:
-    """The bounds of one span: an equality or a range on the key or a prefix of it."""
+def _span_range(definition: IndexDefinition, span: dict[str, Any]) -> KeyRange:
+    """The bounds of one span: an equality or a range on the key or a prefix of it, or the
+    strings of the leading key that start with `prefix`."""
+    if "prefix" in span:
+        if set(span) & {"eq", "low", "high", "inclusion"}:
+            raise ApiError(400, "prefix: give it alone, not with eq, low, high or inclusion")
+        return string_prefix_range(span["prefix"], definition.desc[0])
     return key_range(
-        nkeys,
+        len(definition.keys),
+        desc=definition.desc,
         eq=span.get("eq"),
         low=span.get("low"),
         high=span.get("high"),
@@ -350,9 +358,11 @@ class ScanRoutes(AdminRoutes):
             for name in ("eq", "low", "high")
             if name in query
         }
+        if "prefix" in query:
+            span["prefix"] = query["prefix"]
         if "inclusion" in query:
             span["inclusion"] = query["inclusion"]
-        bounds = _span_range(len(index.definition.keys), span)
+        bounds = _span_range(index.definition, span)
         start = _hex(query, "start")
         stop = _hex(query, "stop")
         lo = max((b for b in (bounds.start, start) if b is not None), default=None)
@@ -362,20 +372,29 @@ class ScanRoutes(AdminRoutes):
     def _spans(self, index: StoredIndex, query: dict[str, str]) -> tuple[KeyRange, ...]:
         """`spans=[{"eq": V} or {"low": V, "high": V, "inclusion": ...}, ...]`: several ranges
         in one scan, read in index order, an entry in several of them once."""
-        clash = [p for p in ("eq", "low", "high", "inclusion", "start", "stop") if p in query]
+        clash = [
+            p for p in ("eq", "low", "high", "inclusion", "prefix", "start", "stop") if p in query
+        ]
         if clash:
             raise ApiError(400, f"{', '.join(clash)}: give the range in spans, or no spans")
         spans = parse_json_param("spans", query["spans"])
         if not isinstance(spans, list) or not spans or len(spans) > MAX_SPANS:
             raise ApiError(400, f"spans: a list of 1 to {MAX_SPANS} spans")
-        nkeys = len(index.definition.keys)
         ranges = []
         for span in spans:
-            if not isinstance(span, dict) or not set(span) <= {"eq", "low", "high", "inclusion"}:
+            if not isinstance(span, dict) or not set(span) <= {
+                "eq",
+                "low",
+                "high",
+                "inclusion",
+                "prefix",
+            }:
                 raise ApiError(
-                    400, 'spans: each one {"eq": V} or {"low": V, "high": V, "inclusion": ...}'
+                    400,
+                    'spans: each one {"eq": V}, {"low": V, "high": V, "inclusion": ...} '
+                    'or {"prefix": "S"}',
                 )
-            ranges.append(_span_range(nkeys, span))
+            ranges.append(_span_range(index.definition, span))
         return merge_spans(ranges)
 
     async def _read_snapshot(self, query: dict[str, str]) -> StabilitySnapshot:

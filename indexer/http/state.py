@@ -100,19 +100,27 @@ class ApiState:
         # GET /indexes/NAME/types answers, by (index name, snapshot number): a walk each.
         self.types_cache: dict[tuple[str, int], list[set[str]]] = {}
 
-    def _builds(self) -> list[IndexBuild]:
+    def _builds(self) -> list[tuple[str, IndexBuild]]:
+        """(index name, its build) of every index being built; one build may hold several."""
         catalog = self.view.catalog
-        return [] if catalog is None else list(catalog.builds.values())
+        return [] if catalog is None else list(catalog.builds.items())
+
+    def _deferred(self) -> list[StoredIndex]:
+        """The deferred indexes: stored, holding nothing until built."""
+        catalog = self.view.catalog
+        return [] if catalog is None else catalog.deferred_indexes()
 
     def _all_indexes(self) -> list[StoredIndex]:
-        """Every index with entries in the store: those maintained and those being built."""
-        return [*self.view.indexes, *(b.index for b in self._builds())]
+        """Every index of the store: those maintained, those being built and deferred ones."""
+        built = [build.index(name) for name, build in self._builds()]
+        return [*self.view.indexes, *built, *self._deferred()]
 
     def index_list(self) -> list[dict[str, Any]]:
         counts = self.view.timekeeper.statistics().entry_counts
         out = [self._index_entry(i, counts[j]) for j, i in enumerate(self.view.indexes)]
-        for build in self._builds():
-            out.append(self._build_entry(build))
+        for name, build in self._builds():
+            out.append(self._build_entry(build, name))
+        out.extend(self._index_entry(i, 0) for i in self._deferred())
         return out
 
     def _index_entry(self, index: StoredIndex, entries: int) -> dict[str, Any]:
@@ -128,9 +136,11 @@ class ApiState:
             out["note"] = "created at run time: holds the mutations streamed since its creation"
         return out
 
-    def _build_entry(self, build: IndexBuild) -> dict[str, Any]:
+    def _build_entry(self, build: IndexBuild, name: str) -> dict[str, Any]:
+        """Index `name`'s entry of /indexes while `build` builds it."""
         status = build.status()
-        out = self._index_entry(build.index, build.entries)
+        j = build.names.index(name)
+        out = self._index_entry(build.indexes[j], build.entries[j])
         out["state"] = status.state
         out["build"] = asdict(status)
         return out

@@ -71,7 +71,7 @@ class StatsRoutes(ApiState):
                 "seqno_sum": snaps.persisted.total,
                 "snapshot": snaps.persisted_snapshot.number if snaps.persisted_snapshot else None,
             },
-            "builds": {b.name: asdict(b.status()) for b in self._builds()},
+            "builds": {name: asdict(b.status()) for name, b in self._builds()},
             "compaction": None if v.compactor is None else v.compactor.statistics(),
             "rollbacks": None if v.rollback is None else v.rollback.statistics(),
             "storage": {"level0_files": v.store.level0_files()},
@@ -202,8 +202,8 @@ class _Collector:
             "How much of an index's initial build is done, 0 to 1",
             labels=["index"],
         )
-        for build in api._builds():
-            progress.add_metric([build.name], build.status().percent / 100)
+        for name, build in api._builds():
+            progress.add_metric([name], build.status().percent / 100)
         yield progress
         # Gauges: levels now.
         yield gauge("indexer_persist_failing", "1 while persists fail", int(tk.persist_failing))

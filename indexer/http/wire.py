@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl
 import pyarrow as pa
 
 from indexer.client import ARROW_STREAM, JSON
-from indexer.scans import EntryBatch, Row, json_encode, typed_columns
+from indexer.scans import EntryBatch, Row, column_names, json_encode, typed_columns
 
 ARROW = ARROW_STREAM  # the media types and header names are the clients' too
 
@@ -36,7 +36,17 @@ READ_METHODS = ("GET", "HEAD")
 # The query parameters each route takes; any other is a 400 (ROUTE_PARAMS: none).
 SNAPSHOT_PARAMS = ("consistency", "at_plus", "timeout", "pin")
 
-COUNT_PARAMS = ("eq", "low", "high", "inclusion", "start", "stop", "spans", *SNAPSHOT_PARAMS)
+COUNT_PARAMS = (
+    "eq",
+    "low",
+    "high",
+    "inclusion",
+    "prefix",
+    "start",
+    "stop",
+    "spans",
+    *SNAPSHOT_PARAMS,
+)
 
 ACTION_PARAMS = {
     "scan": (*COUNT_PARAMS, "limit", "columns", "order", "offset", "next", "fields"),
@@ -49,7 +59,18 @@ ACTION_PARAMS = {
 
 ROUTE_PARAMS: tuple[str, ...] = ()
 
-ROUTES = ("/health", "/stats", "/metrics", "/indexes", "/compact", "/snapshots", "/snapshots/pin")
+BUILD_ROUTE = "/indexes/_build"  # POST: build deferred indexes together
+
+ROUTES = (
+    "/health",
+    "/stats",
+    "/metrics",
+    "/indexes",
+    BUILD_ROUTE,
+    "/compact",
+    "/snapshots",
+    "/snapshots/pin",
+)
 
 NO_SPACE = "No space left on device"  # in what a write to a full disk raises
 
@@ -122,14 +143,17 @@ def _projection(query: dict[str, str], paths: Sequence[str]) -> Projection:
     if "fields" not in query:
         return Projection(tuple(range(len(paths))))
     names = [n.strip() for n in query["fields"].split(",")]
-    unknown = [n for n in names if n != "id" and n not in paths]
-    if not names or unknown or len(set(names)) != len(names):
+    # A key is named by its text (`LOWER(name)`) or its column name (`LOWER_name`).
+    columns = column_names(paths)
+    known = {**{c: j for j, c in enumerate(columns)}, **{p: j for j, p in enumerate(paths)}}
+    unknown = [n for n in names if n != "id" and n not in known]
+    positions = tuple(known[n] for n in names if n != "id" and n in known)
+    if not names or unknown or len(set(positions)) != len(positions) or names.count("id") > 1:
         raise ApiError(
             400,
-            f"fields: key paths of the index ({', '.join(paths)}) and id, each once, "
+            f"fields: keys of the index ({', '.join(paths)}) and id, each once, "
             f"comma-separated; not {query['fields']!r}",
         )
-    positions = tuple(paths.index(n) for n in names if n != "id")
     return Projection(positions, "id" in names, names.index("id") if "id" in names else 0)
 
 

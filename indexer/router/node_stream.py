@@ -505,8 +505,9 @@ async def follow_memory(
 
     `next_change()` is the event the next write to the manager sets. `on_connected(reply, n)`
     is called after the handshake with the number of vbuckets that start with a backfill.
-    With `build`, this is the build stream of that index: the node's reply names that index only
-    (its keys are the only ones computed), and restarts from what the build has. `defer()` is
+    With `build`, this is the build stream of that build (one or more indexes, their names
+    comma-separated): the node's reply names its indexes only (their keys are the only ones
+    computed, in one pass for all of them), and restarts from what the build has. `defer()` is
     asked between pieces sent: while it is true the stream waits (see `Deference`). With
     `visibility`, a maintenance stream sends a barrier when it has sent everything and a request
     waits to be readable (indexer/router/visibility.py).

@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Callable, Sequence
 
 from indexer import protocol as p
+from indexer.expressions import PLAIN_PATH, ExpressionError, KeyExtractor
 from indexer.keys import MISSING, KeyEncodingError, encode_value, index_key
 from indexer.router.documents import Document
 from indexer.where import WhereError, matches, parse_where
@@ -26,6 +27,11 @@ MAX_CACHED_SCALARS = 65_536  # encoded scalar values an encoder keeps (cleared w
 _MISSING = encode_value(MISSING)
 
 log = logging.getLogger("indexer.router")
+
+
+def _path_key(paths: Sequence[str]) -> Callable[[object, str], bytes]:
+    """The key of an index on plain field paths (the document's id is not needed)."""
+    return lambda body, _docid: index_key(body, paths)
 
 
 class FeedError(Exception):
@@ -68,6 +74,18 @@ class RecordEncoder:
         except WhereError as exc:
             raise FeedError(f"the indexer sent a bad where: {exc}") from None
         self.partial = any(where is not None for where in self.wheres)
+        # Indexes on plain field paths take the fast path below; an expression or array key
+        # (indexer/expressions.py) is evaluated by its index's extractor.
+        try:
+            self.extractors: list[Callable[[object, str], bytes]] = [
+                _path_key(index.keys)
+                if all(PLAIN_PATH.match(k) for k in index.keys)
+                else KeyExtractor(index.keys)
+                for index in indexes
+            ]
+        except ExpressionError as exc:
+            raise FeedError(f"the indexer sent a bad index key: {exc}") from None
+        self.plain = all(all(PLAIN_PATH.match(k) for k in index.keys) for index in indexes)
         self.left_out = 0
         self._reported: set[str] = set()
         # Each distinct field path is read and encoded once per document, whatever number of
@@ -83,13 +101,14 @@ class RecordEncoder:
         try:
             if body is None:
                 return (b"",) * self.nkeys
-            if not self.partial:
+            if not self.partial and self.plain:
                 return self._plain_keys(body)
             # A document a partial index's condition is not TRUE for gets the empty key,
             # which removes its entry there, like a missing leading field.
+            docid = document.docid
             return tuple(
-                index_key(body, paths) if matches(where, body) else b""
-                for paths, where in zip(self.paths, self.wheres, strict=True)
+                key(body, docid) if matches(where, body) else b""
+                for key, where in zip(self.extractors, self.wheres, strict=True)
             )
         except (KeyEncodingError, RecursionError):
             return self._keys_one_by_one(document, seqno)
@@ -132,9 +151,9 @@ class RecordEncoder:
         body = document.body
         assert body is not None
         keys = []
-        for name, paths, where in zip(self.names, self.paths, self.wheres, strict=True):
+        for name, extract, where in zip(self.names, self.extractors, self.wheres, strict=True):
             try:
-                key = index_key(body, paths) if where is None or matches(where, body) else b""
+                key = extract(body, document.docid) if matches(where, body) else b""
             except (KeyEncodingError, RecursionError) as exc:
                 why = "a value is nested too deeply" if isinstance(exc, RecursionError) else exc
                 self._report(document.docid, seqno, name, str(why))

@@ -191,14 +191,15 @@ async def stream_to_node(
     security: FeedSecurity | None = None,
 ) -> None:
     """Keep the node fed until cancelled: its maintenance stream, and a build stream for each
-    index its handshake says is being built (until the node says that build is done)."""
+    build its handshake names (one or more indexes built together; until the node says that
+    build is done)."""
     host, port = address
     node = f"{host}:{port}"
     building: set[str] = set()
     maintenance_first = MaintenanceFirst(appender.mm, node, lambda: appender.input_waiting)
     async with trio.open_nursery() as nursery:
 
-        async def build_stream(index: str) -> None:
+        async def build_stream(build: str) -> None:
             try:
                 await _keep_streaming(
                     address,
@@ -206,20 +207,20 @@ async def stream_to_node(
                     appender,
                     nodes,
                     router_name,
-                    index,
+                    build,
                     defer=maintenance_first,
                     security=security,
                 )
             finally:
-                building.discard(index)
+                building.discard(build)
 
         def on_maintenance(reply: p.HandshakeReply) -> None:
             # The node's vbuckets that this router streams (a shard or peer has a range).
             maintenance_first.vbuckets = [vb for vb in reply.owned if source.owns(vb)]
-            for index in reply.builds:
-                if index not in building:
-                    building.add(index)
-                    nursery.start_soon(build_stream, index)
+            for build in reply.builds:
+                if build not in building:
+                    building.add(build)
+                    nursery.start_soon(build_stream, build)
 
         await _keep_streaming(
             address, source, appender, nodes, router_name, "", on_maintenance, security=security
@@ -243,8 +244,9 @@ async def _keep_streaming(
     defer: Callable[[], bool] | None = None,
     security: FeedSecurity | None = None,
 ) -> None:
-    """One stream to the node (maintenance, or the build of index `build`): connect, stream,
-    reconnect with backoff on errors; a build stream returns once the node says it is done."""
+    """One stream to the node (maintenance, or the build named `build`: its indexes' names,
+    comma-separated): connect, stream, reconnect with backoff on errors; a build stream returns
+    once the node says it is done."""
     host, port = address
     name = f"{host}:{port}" if not build else f"{host}:{port}/build:{build}"
     progress = nodes.progress.setdefault(name, NodeProgress())

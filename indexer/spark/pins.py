@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from indexer.client import Access, ClientError, request
+from indexer.client import Access, ClientError, index_path, request
 from indexer.cluster import ClusterMap, ClusterMapError, load_cluster_map
 from indexer.spark.options import (
     DEFAULT_LEASE_S,
@@ -133,7 +133,7 @@ def index_types(
     answer = _json_call(
         "GET",
         url.rstrip("/"),
-        f"/indexes/{index}/types",
+        index_path(index, "types"),
         params={"pin": pin_id},
         timeout=timeout,
         access=access,

@@ -13,8 +13,8 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceReader, Filter, InputPartition
 from pyspark.sql.types import StructType
 
-from indexer.client import ARROW_STREAM
-from indexer.keys import encode_key
+from indexer.client import ARROW_STREAM, index_path
+from indexer.keys import encode_key, entry_tail
 from indexer.scans import KeyRange, Row, column_kind, iterate, json_text, splits
 from indexer.spark.columns import (
     SERVER_KINDS,
@@ -200,7 +200,12 @@ class IndexerReader(DataSourceReader):
         self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
         self.parts = partitions
         self.pushed: list[tuple[str, Any]] = []
-        self.leading = next((i for i, c in enumerate(self.columns) if c.position == 0), None)
+        # Filters on the leading key narrow the range read, unless it is stored descending.
+        self.leading = (
+            None
+            if keys[0].endswith(" DESC")
+            else next((i for i, c in enumerate(self.columns) if c.position == 0), None)
+        )
 
     def key_range(self) -> KeyRange | None:
         """What the pushed filters leave of the key space (None: nothing)."""
@@ -294,7 +299,7 @@ class IndexerReader(DataSourceReader):
 
     def _count(self, target: Target, pin_id: str) -> int:
         """The index's entries on `target` at its pin."""
-        path = f"/indexes/{self.options.index}/count"
+        path = index_path(self.options.index, "count")
         answer = _json_call(
             "GET",
             target.url,
@@ -310,7 +315,7 @@ class IndexerReader(DataSourceReader):
         answer = _json_call(
             "GET",
             target.url,
-            f"/indexes/{self.options.index}/splits",
+            index_path(self.options.index, "splits"),
             params={"parts": parts, "pin": pin_id},
             timeout=self.options.timeout,
             access=target.access,
@@ -358,7 +363,7 @@ class IndexerReader(DataSourceReader):
             params["start"] = part.start.hex()
         if part.stop is not None:
             params["stop"] = part.stop.hex()
-        path = f"/indexes/{options.index}/scan"
+        path = index_path(options.index, "scan")
         params["columns"] = ",".join(server_kinds(self.columns, len(self.keys)))
         try:
             response = _http(
@@ -436,7 +441,8 @@ class IndexerReader(DataSourceReader):
                 return
             last = rows[-1]
             # The entry after the last one read: its exact bytes, then the smallest successor.
-            start = encode_key(last.key) + last.docid.encode("utf-8") + b"\x00"
+            key = encode_key(last.key, stored.definition.desc)
+            start = key + entry_tail(last.docid.encode("utf-8")) + b"\x00"
 
     def _from_rows(self, rows: Sequence[Row]) -> Any:
         arrays = []

@@ -37,6 +37,18 @@ def index_states(daemon: Daemon) -> dict[str, dict[str, Any]]:
     return {i["name"]: i for i in answer.json()["indexes"]}
 
 
+def kill_once_built_some(daemon: Daemon, name: str) -> None:
+    """Kill the daemon as soon as the build of `name` has written something (or finished)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        entry = index_states(daemon)[name]
+        if entry["state"] == "active" or entry["build"]["items"] > 0:
+            break
+        assert time.monotonic() < deadline, entry
+        time.sleep(0.01)
+    daemon.kill()
+
+
 def wait_active(daemon: Daemon, name: str, timeout: float = WAIT_S) -> list[str]:
     """Until the index is active; the states seen on the way."""
     seen: list[str] = []
@@ -132,15 +144,7 @@ def test_a_build_resumes_after_the_daemon_is_killed_and_can_be_dropped(
     )
     created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP})
     assert created.status_code == 201, created.text
-    # Killed as soon as the build has written something (or already finished).
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        entry = index_states(daemon)["by_zip"]
-        if entry["state"] == "active" or entry["build"]["items"] > 0:
-            break
-        assert time.monotonic() < deadline, entry
-        time.sleep(0.01)
-    daemon.kill()
+    kill_once_built_some(daemon, "by_zip")
     more = list(generate(Workload(2_000, 20_000, 0.1, 212)))
     write_jsonl(jsonl, more, append=True)
     documents += more

@@ -60,3 +60,16 @@ def test_errors_name_the_key(text: str, key: str) -> None:
         parse_config(text)
     assert key in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_defer_build_is_a_state_of_the_index_not_part_of_its_definition() -> None:
+    config = parse_config(
+        '[indexes.a]\nkeys = ["x"]\ndefer_build = true\n'
+        '[indexes.b]\nkeys = ["y"]\ndefer_build = false\n[indexes.c]\nkeys = ["z"]\n'
+    )
+    assert config.deferred == frozenset({"a"})
+    assert [i.name for i in config.indexes] == ["a", "b", "c"]
+    assert parse_config().deferred == frozenset()
+    with pytest.raises(ConfigError) as info:
+        parse_config('[indexes.a]\nkeys = ["x"]\ndefer_build = "yes"\n')
+    assert "indexes.a.defer_build" in str(info.value) and "\n" not in str(info.value)

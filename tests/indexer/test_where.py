@@ -375,7 +375,7 @@ def test_config_accepts_a_where_and_stores_its_canonical_text() -> None:
         parse_config('[indexes.adults]\nkeys = ["age"]\nwhere = "age >>= 18"\n')
     assert str(info.value).startswith("indexes.adults.where: expected a field or a value")
     assert "position" in str(info.value) and "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match=r"indexes\.adults\.where: must be a string"):
+    with pytest.raises(ConfigError, match=r"indexes\.adults\.where: a condition as a string"):
         parse_config('[indexes.adults]\nkeys = ["age"]\nwhere = 18\n')
 
 

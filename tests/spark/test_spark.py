@@ -73,6 +73,8 @@ from tests.e2e.conftest import (
     write_config,
     write_jsonl,
 )
+from tests.e2e.test_gsi_keys import INDEXES as GSI_INDEXES
+from tests.e2e.test_gsi_keys import documents as gsi_documents
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
 
@@ -484,6 +486,54 @@ def test_offline_read_of_a_stopped_node_equals_the_online_read(
     assert any(r.age is not None for r in ages) and any(r.age is None for r in ages)
     persisted = offline_snapshot(data)
     assert persisted is not None and persisted.seqno_sum == pin.seqno_sum == len(node.documents)
+
+
+def test_array_primary_and_expression_indexes_read_as_their_scans(
+    spark: SparkSession, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One row per entry, columns named after the keys, typed as the values are, equal to the
+    scan (which tests/e2e/test_gsi_keys.py checks against a model); a DESC leading key is read
+    in its order, with filters left to Spark."""
+    tmp = tmp_path_factory.mktemp("gsi")
+    port = free_port()
+    sections = {**GSI_INDEXES, "indexes.name_age": {"keys": ["LOWER(name)", "age * 10 + 1"]}}
+    sections["indexes.age_desc"] = {"keys": ["age DESC"]}
+    daemon = Daemon(
+        write_config(tmp / "c.toml", tmp / "data", port, **sections), tmp / "d.log", port
+    )
+    daemon.start()
+    try:
+        fed = run_feed(daemon, write_jsonl(tmp / "docs.jsonl", gsi_documents(8, 4_000)))
+        assert fed.returncode == 0, fed.stderr
+        columns = {
+            "#primary": ["id", "META_id"],
+            "tags": ["id", "LOWER_tags"],
+            "kid_age": ["id", "kids_name", "age"],
+            "name_age": ["id", "LOWER_name", "age_10_1"],
+            "age_desc": ["id", "age"],
+        }
+        for name, names in columns.items():
+            with pinned(daemon.url) as pin:
+                df = read(spark, url=daemon.url, index=name, pin=pin.id, partitions=3)
+                assert df.columns == names, name
+                got = as_entries(df, names[1:])
+                scanned = ndjson_scan(daemon.url, name.replace("#", "%23"), pin=pin.id)
+            assert len(got) == len(scanned) > 300, name
+            assert got == scanned, name
+            typed = spark.read.format("indexer").option("url", daemon.url).option("index", name)
+            assert typed.load().count() == len(scanned), name
+        # Filters on a DESC leading key: Spark applies them, and they give what they give
+        # after the read (a range pushed as if ascending would give nothing).
+        typed = "id STRING, age DOUBLE"
+        everything = read(spark, typed, url=daemon.url, index="age_desc").collect()
+        middle = read(spark, typed, url=daemon.url, index="age_desc", pushdown="true")
+        middle = middle.filter("age >= 20 AND age < 40")
+        assert filtered_by_spark(middle)
+        want = [r for r in everything if r.age is not None and 20 <= r.age < 40]
+        assert want and sorted(middle.collect()) == sorted(want)
+        assert [r.age for r in want] == sorted((r.age for r in want), reverse=True)
+    finally:
+        daemon.kill()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from workers.flush import BackIndexCache, BuiltIndexMerge, IndexWriter
 
 ACTIVE = [p.IndexDefinition("by_city", ("city",)), p.IndexDefinition("by_age", ("age",))]
 BUILT = p.IndexDefinition("by_zip", ("zip",))
+# Deferred indexes built together: one build, one cache with a column per index.
+BUILT_TOGETHER = [BUILT, p.IndexDefinition("by_name", ("name",)), p.IndexDefinition("x", ("x",))]
 
 
 def record(seqno: int, docid: bytes, keys: tuple[bytes, ...]) -> bytes:
@@ -35,8 +37,11 @@ def key(rng: random.Random, present: float = 0.8) -> bytes:
 class Writes:
     """Random writes of the same documents through maintenance's and the build's writers."""
 
-    def __init__(self, rng: random.Random, docs: int, main: IndexWriter, build: IndexWriter):
+    def __init__(
+        self, rng: random.Random, docs: int, main: IndexWriter, build: IndexWriter, built: int = 1
+    ):
         self.rng = rng
+        self.built = built  # the indexes the build writes
         self.docids = [f"doc{i}".encode() for i in range(docs)]
         self.main = main
         self.build = build
@@ -51,10 +56,11 @@ class Writes:
             docid = rng.choice(self.docids)
             if rng.random() < 0.1:  # a delete leaves every index
                 main_records.append(record(self.seqno, docid, (b"", b"")))
-                build_records.append(record(self.seqno, docid, (b"",)))
+                build_records.append(record(self.seqno, docid, (b"",) * self.built))
             else:
                 main_records.append(record(self.seqno, docid, (key(rng), key(rng))))
-                build_records.append(record(self.seqno, docid, (key(rng, 0.5),)))
+                built = tuple(key(rng, 0.5) for _ in range(self.built))
+                build_records.append(record(self.seqno, docid, built))
         # The two streams are applied independently, as maintenance and the build are.
         if rng.random() < 0.5:
             self.main.apply(main_records)
@@ -125,6 +131,42 @@ def test_merged_cache_agrees_with_the_store(
                     for n in range(100)
                 ]
             )
+        check(main_cache, store, indexes)
+
+
+@pytest.mark.parametrize(
+    ("main_capacity", "build_capacity"), [(50_000, 50_000), (300, 50_000), (50_000, 300)]
+)
+@pytest.mark.parametrize("seed", [4, 5])
+def test_a_build_of_several_indexes_merges_a_column_for_each(
+    tmp_path: Path, main_capacity: int, build_capacity: int, seed: int
+) -> None:
+    rng = random.Random(seed)
+    with IndexStore(tmp_path) as store:
+        active = store.ensure_indexes(ACTIVE)
+        built = [store.create_index(d, "building") for d in BUILT_TOGETHER]
+        main_cache = BackIndexCache(main_capacity, len(active))
+        build_cache = BackIndexCache(build_capacity, len(built))
+        writes = Writes(
+            rng,
+            6_000,
+            IndexWriter(store, active, main_cache),
+            IndexWriter(store, built, build_cache),
+            len(built),
+        )
+        for _ in range(20):
+            writes.batch(500)
+        merge = BuiltIndexMerge(main_cache, build_cache)
+        merge.slice_docs = 100
+        while merge.step(0):
+            writes.batch(100)
+        main_cache.add_built_index(build_cache, merge)
+        indexes = [*active, *built]
+        check(main_cache, store, indexes)
+        after = IndexWriter(store, indexes, main_cache)
+        after.apply(
+            [record(10**6 + n, rng.choice(writes.docids), (key(rng),) * 5) for n in range(300)]
+        )
         check(main_cache, store, indexes)
 
 
