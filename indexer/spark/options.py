@@ -20,7 +20,7 @@ DEFAULT_TIMEOUT_S = 120.0
 SNAPSHOTS = ("persisted", "stable")
 OPTIONS = (
     "url path cluster_map index partitions snapshot consistency at_plus pin lease_s timeout "
-    "pushdown columns token token_file tls tls_ca"
+    "pushdown columns order token token_file tls tls_ca"
 )
 COLUMNS = ("typed", "json")
 
@@ -82,6 +82,9 @@ class SourceOptions:
     # "typed": each key column gets the Spark type of what the index holds there (JSON text
     # where it holds several types); "json": JSON text for every key column.
     columns: str = "typed"
+    # "desc": partitions in reverse index order, each read from its end, so the rows come
+    # last entry first (a `limit` reads the last entries).
+    order: str = "asc"
     access: Access = dataclasses.field(default_factory=Access)  # token and TLS of online reads
 
     @classmethod
@@ -126,6 +129,9 @@ class SourceOptions:
         columns = opts.get("columns", "typed")
         if columns not in COLUMNS:
             raise IndexerSourceError(f'columns: "typed" or "json", not {columns!r}')
+        order = opts.get("order", "asc").lower()
+        if order not in ("asc", "desc"):
+            raise IndexerSourceError(f'order: "asc" or "desc", not {order!r}')
         pushdown = opts.get("pushdown", str(default_pushdown)).lower()
         if pushdown not in ("true", "false"):
             raise IndexerSourceError(f'pushdown: "true" or "false", not {pushdown!r}')
@@ -142,6 +148,7 @@ class SourceOptions:
             timeout=seconds_option(opts, "timeout", DEFAULT_TIMEOUT_S),
             pushdown=pushdown == "true",
             columns=columns,
+            order=order,
             access=access,
         )
 

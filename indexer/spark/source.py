@@ -88,7 +88,8 @@ class IndexerPartition(InputPartition):
 
 class IndexerDataSource(DataSource):
     """`spark.read.format("indexer")`: options url, path or cluster_map, index, partitions,
-    snapshot, at_plus, pin, lease_s, timeout, pushdown (docs/spark.md), and token, token_file,
+    snapshot, at_plus, pin, lease_s, timeout, pushdown, columns, order (docs/spark.md), and
+    token, token_file,
     tls, tls_ca for a daemon with a token or TLS (docs/security.md)."""
 
     default_partitions: int | None = None  # set by `register` to spark's default parallelism
@@ -220,7 +221,9 @@ class IndexerReader(DataSourceReader):
         wanted = self.key_range()
         if self.options.path is None:
             out = self._online_partitions(wanted)
-            return out or [IndexerPartition(0, None, None, None, empty=True)]
+            return _in_order(out, self.options.order) or [
+                IndexerPartition(0, None, None, None, empty=True)
+            ]
         found = offline_snapshot(self.options.path)
         checksum = found.checksum if found else None
         ranges = self._offline_ranges() if wanted is not None else []
@@ -229,7 +232,9 @@ class IndexerReader(DataSourceReader):
             cut = intersect(r, wanted or KeyRange())
             if cut is not None:
                 out.append(IndexerPartition(len(out), cut.start, cut.stop, None, checksum))
-        return out or [IndexerPartition(0, None, None, None, checksum, empty=True)]
+        return _in_order(out, self.options.order) or [
+            IndexerPartition(0, None, None, None, checksum, empty=True)
+        ]
 
     def _online_partitions(self, wanted: KeyRange | None) -> list[InputPartition]:
         """Pin (unless given) on each daemon, get its splits, cut them to `wanted`.
@@ -358,7 +363,7 @@ class IndexerReader(DataSourceReader):
         url = part.url or options.url
         assert url is not None
         target = Target(url, part.node)
-        params: dict[str, Any] = {"pin": part.pin}
+        params: dict[str, Any] = {"pin": part.pin, "order": options.order}
         if part.start is not None:
             params["start"] = part.start.hex()
         if part.stop is not None:
@@ -420,7 +425,8 @@ class IndexerReader(DataSourceReader):
         """Read in chunks, holding the store's lock only while reading each chunk."""
         options = self.options
         assert options.path is not None
-        start = part.start
+        start, stop = part.start, part.stop
+        reverse = options.order == "desc"
         while True:
             store = _open_store(options.path, options.timeout)
             try:
@@ -431,8 +437,12 @@ class IndexerReader(DataSourceReader):
                         "(a daemon ran on it): read again"
                     )
                 stored = _stored_index(store, options.index)
-                bounds = KeyRange(start, part.stop)
-                rows = list(islice(iterate(store, stored, None, bounds), OFFLINE_CHUNK_ROWS))
+                bounds = KeyRange(start, stop)
+                rows = list(
+                    islice(
+                        iterate(store, stored, None, bounds, reverse=reverse), OFFLINE_CHUNK_ROWS
+                    )
+                )
             finally:
                 store.close()
             for i in range(0, len(rows), BATCH_ROWS):
@@ -440,9 +450,12 @@ class IndexerReader(DataSourceReader):
             if len(rows) < OFFLINE_CHUNK_ROWS:
                 return
             last = rows[-1]
-            # The entry after the last one read: its exact bytes, then the smallest successor.
-            key = encode_key(last.key, stored.definition.desc)
-            start = key + entry_tail(last.docid.encode("utf-8")) + b"\x00"
+            entry = encode_key(last.key, stored.definition.desc)
+            entry += entry_tail(last.docid.encode("utf-8"))
+            if reverse:
+                stop = entry  # the entries before the last one read
+            else:
+                start = entry + b"\x00"  # the entry's smallest successor
 
     def _from_rows(self, rows: Sequence[Row]) -> Any:
         arrays = []
@@ -457,6 +470,28 @@ class IndexerReader(DataSourceReader):
                 values = [convert(kind, r.key[j]) for r in rows]
             arrays.append(pa.array(values, type=column.arrow))
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
+
+
+def _in_order(parts: list[InputPartition], order: str) -> list[InputPartition]:
+    """The partitions in the order their rows come: reversed, renumbered, for `desc`."""
+    if order == "asc":
+        return parts
+    reverse: list[InputPartition] = []
+    for i, part in enumerate(reversed(parts)):
+        assert isinstance(part, IndexerPartition)
+        reverse.append(
+            IndexerPartition(
+                i,
+                part.start,
+                part.stop,
+                part.pin,
+                part.snapshot_checksum,
+                part.empty,
+                part.url,
+                part.node,
+            )
+        )
+    return reverse
 
 
 class PushdownIndexerReader(IndexerReader):

@@ -182,7 +182,9 @@ def test_index_names_and_paths_are_checked_with_clear_errors(
         answer = httpx.request(method, url + path)
         assert answer.status_code == 400, (path, answer.text)
         message = answer.json()["error"]
-        assert message == f"index name {shown}: a letter, then up to 63 letters, digits or _"
+        assert message == (
+            f"index name {shown}: a letter, then up to 63 letters, digits or _ (or #primary)"
+        )
     assert httpx.get(f"{url}/indexes/by_age/other").status_code == 404
     made = httpx.post(f"{url}/indexes", json={"name": "../x", "keys": ["a"]})
     assert made.status_code == 400 and made.json()["error"].startswith("name:")

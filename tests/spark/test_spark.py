@@ -532,6 +532,22 @@ def test_array_primary_and_expression_indexes_read_as_their_scans(
         want = [r for r in everything if r.age is not None and 20 <= r.age < 40]
         assert want and sorted(middle.collect()) == sorted(want)
         assert [r.age for r in want] == sorted((r.age for r in want), reverse=True)
+
+        # order=desc: the partitions last first, each read from its end, online and offline.
+        with pinned(daemon.url) as pin:
+            backwards = read(
+                spark, url=daemon.url, index="tags", pin=pin.id, partitions=3, order="desc"
+            )
+            assert backwards.rdd.getNumPartitions() == 3
+            got = as_entries(backwards, ["LOWER_tags"])
+            scanned = ndjson_scan(daemon.url, "tags", pin=pin.id)
+        assert got == scanned[::-1] and len(got) > 300
+        assert daemon.stop(signal.SIGTERM) == 0
+        offline = read(spark, path=str(tmp / "data"), index="tags", partitions=3, order="desc")
+        assert as_entries(offline, ["LOWER_tags"]) == got
+        with pytest.raises(Exception) as raised:
+            read(spark, url=daemon.url, index="tags", order="up").collect()
+        assert """order: "asc" or "desc", not 'up'""" in error_message(raised.value)
     finally:
         daemon.kill()
 
