@@ -62,6 +62,11 @@ def parse_aggregates(text: str, paths: Sequence[str]) -> list[Aggregate]:
     return out
 
 
+def decoded_values(group_by: int, aggregates: Sequence[Aggregate]) -> int:
+    """How many leading key values the aggregates need decoded: the groups' and those read."""
+    return max([group_by, *(a.position + 1 for a in aggregates)])
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 

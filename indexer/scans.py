@@ -345,12 +345,14 @@ def entry_batches(
     reverse: bool = False,
     offset: int = 0,
     docids: bool = True,
+    decode: int | None = None,
 ) -> Iterator[EntryBatch]:
     """The rows of `iterate` in batches of up to `chunk` (blocking: run it in a thread).
 
     The entries of a batch are split with array operations, not row by row: every entry ends
     with its docid and the docid's length (`keys.entry_tail`), so the key's bytes are found
-    without decoding them, and only distinct keys are decoded.
+    without decoding them, and only distinct keys are decoded. `decode`: only that many
+    leading key values (an aggregate's groups and the values it reads).
     """
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
@@ -358,15 +360,22 @@ def entry_batches(
     if offset:
         entries = islice(entries, offset, None)
     desc = index.definition.desc
+    prefix = None if decode is None or decode >= count else decode
     while entries_of_batch := list(islice(entries, chunk)):
-        yield _split_batch(entries_of_batch, cut, count, docids, desc)
+        yield _split_batch(entries_of_batch, cut, count, docids, desc, prefix)
 
 
 def _split_batch(
-    entries: list[bytes], cut: int, count: int, docids: bool = True, desc: Sequence[bool] = ()
+    entries: list[bytes],
+    cut: int,
+    count: int,
+    docids: bool = True,
+    desc: Sequence[bool] = (),
+    prefix: int | None = None,
 ) -> EntryBatch:
     """A batch of entries split into docids (`docids`: else left empty, for aggregates) and
-    distinct keys with each row's code (`desc`: the key positions stored descending)."""
+    distinct keys with each row's code (`desc`: the key positions stored descending; `prefix`:
+    decode only that many leading values of each key)."""
     n = len(entries)
     whole = pa.array(entries, pa.binary())
     _, offsets_buffer, data_buffer = whole.buffers()
@@ -380,11 +389,25 @@ def _split_batch(
         raise KeyEncodingError("a main-index entry is shorter than its docid length says")
     encoded = pc.dictionary_encode(_gather(pa.binary(), key_starts, id_starts - key_starts, data))
     keys = []
-    for key in encoded.dictionary.to_pylist():
-        values, end = decode_key(key, count, 0, desc)
-        if end != len(key):
-            raise KeyEncodingError(f"{len(key) - end} stray bytes after a key of {count} values")
-        keys.append(values)
+    if prefix is not None:
+        # Distinct keys come in index order; one that starts with the previous key's leading
+        # values' bytes has those values (encoded values are self-delimiting): most of a
+        # group's keys are not decoded at all.
+        head = b"\xff"  # no key starts with it
+        values: list[Any] = []
+        for key in encoded.dictionary.to_pylist():
+            if not key.startswith(head):
+                values, end = decode_key(key, prefix, 0, desc)
+                head = key[:end]
+            keys.append(values)
+    else:
+        for key in encoded.dictionary.to_pylist():
+            values, end = decode_key(key, count, 0, desc)
+            if end != len(key):
+                raise KeyEncodingError(
+                    f"{len(key) - end} stray bytes after a key of {count} values"
+                )
+            keys.append(values)
     if not docids:
         return EntryBatch(pa.array([], pa.string()), encoded.indices, keys)
     ids = _gather(pa.string(), id_starts, id_lengths, data)

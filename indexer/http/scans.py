@@ -17,7 +17,13 @@ from typing import Any
 import pyarrow as pa
 import trio
 
-from indexer.aggregates import Aggregate, AggregateError, aggregate, parse_aggregates
+from indexer.aggregates import (
+    Aggregate,
+    AggregateError,
+    aggregate,
+    decoded_values,
+    parse_aggregates,
+)
 from indexer.client import NDJSON, NEXT_HEADER, RETRY_AFTER, SEQNO_SUM_HEADER, SNAPSHOT_HEADER
 from indexer.http.admin import AdminRoutes
 from indexer.http.wire import (
@@ -605,7 +611,14 @@ class ScanRoutes(AdminRoutes):
         try:
             meta = {SNAPSHOT_HEADER: str(snap.number), SEQNO_SUM_HEADER: str(snap.timestamp.total)}
             batches = entry_batches(
-                self.view.store, index, snap.store_snapshot, bounds, None, SCAN_CHUNK, docids=False
+                self.view.store,
+                index,
+                snap.store_snapshot,
+                bounds,
+                None,
+                SCAN_CHUNK,
+                docids=False,
+                decode=decoded_values(group_by, aggregates),
             )
             groups = aggregate(batches, group_by, aggregates)
             if ARROW in headers.get("accept", ""):
