@@ -376,6 +376,8 @@ def _split_batch(
     """A batch of entries split into docids (`docids`: else left empty, for aggregates) and
     distinct keys with each row's code (`desc`: the key positions stored descending; `prefix`:
     decode only that many leading values of each key)."""
+    if prefix is not None and not docids:
+        return _runs(entries, cut, prefix, desc)
     n = len(entries)
     whole = pa.array(entries, pa.binary())
     _, offsets_buffer, data_buffer = whole.buffers()
@@ -422,6 +424,32 @@ def _split_batch(
             pa.string(),
         )
     return EntryBatch(ids, encoded.indices, keys)
+
+
+def _runs(entries: list[bytes], cut: int, prefix: int, desc: Sequence[bool]) -> EntryBatch:
+    """A batch of entries as runs of equal leading `prefix` values (no docids): entries come in
+    index order, and one that starts with the previous run's leading values' bytes has those
+    values (encoded values are self-delimiting), so a run is decoded once."""
+    keys: list[list[Any]] = []
+    lengths: list[int] = []
+    head = b"\xff"  # no key starts with it
+    run = 0
+    values: list[Any] = []
+    for entry in entries:
+        if entry.startswith(head, cut):
+            run += 1
+            continue
+        if run:
+            keys.append(values)
+            lengths.append(run)
+        values, end = decode_key(entry, prefix, cut, desc)
+        head = entry[cut:end]
+        run = 1
+    if run:
+        keys.append(values)
+        lengths.append(run)
+    codes = np.repeat(np.arange(len(keys), dtype=np.int32), lengths)
+    return EntryBatch(pa.array([], pa.string()), pa.array(codes), keys)
 
 
 def _gather(kind: pa.DataType, starts: Any, lengths: Any, data: Any) -> pa.Array:
