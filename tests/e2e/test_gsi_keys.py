@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +16,19 @@ import pytest
 
 from indexer.keys import MISSING, collate
 from indexer.router.documents import Document
-from tests.e2e.conftest import indexer_command, run_feed, write_jsonl
+from tests.e2e.conftest import indexer_command, run_feed, wait_equal, write_jsonl
+from tests.e2e.test_index_build import wait_active
 from tests.harness import latest, ordered_entries
 
 pytestmark = pytest.mark.e2e
 
+CONFIGURED = {
+    "tags": ["DISTINCT ARRAY LOWER(t) FOR t IN tags END"],
+    "kid_age": ["ALL ARRAY k.name FOR k IN kids END", "age DESC"],
+}
 INDEXES: dict[str, dict[str, Any]] = {
     'indexes."#primary"': {"primary": True},
-    "indexes.tags": {"keys": ["DISTINCT ARRAY LOWER(t) FOR t IN tags END"]},
-    "indexes.kid_age": {"keys": ["ALL ARRAY k.name FOR k IN kids END", "age DESC"]},
+    **{f"indexes.{name}": {"keys": keys} for name, keys in CONFIGURED.items()},
 }
 CREATED = {
     "name_age": ["lower(name)", "age * 10 + 1"],
@@ -222,3 +227,43 @@ def test_cli_definitions_and_bad_ones_name_the_problem(daemon_factory: Any) -> N
     listed = {i["name"] for i in httpx.get(f"{daemon.url}/indexes", timeout=30).json()["indexes"]}
     assert {"#primary", "by_tag"} <= listed and "bad" not in listed
     assert daemon.stop() == 0
+
+
+def test_array_and_primary_indexes_built_over_data_under_a_feed(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    """An array index built on its own stream, and a primary and an expression index deferred
+    then built together, while the router keeps streaming documents whose arrays change: once
+    active, each equals the model."""
+    daemon = daemon_factory().start()
+    docs = documents(11, 4_000)
+    jsonl = write_jsonl(tmp_path / "in.jsonl", docs)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow",
+        "--to", daemon.address,
+    )  # fmt: skip
+    wait_equal(daemon, docs)
+    base = f"{daemon.url}/indexes"
+    made = httpx.post(base, json={"name": "tags", "keys": CONFIGURED["tags"]}, timeout=30)
+    assert made.status_code == 201 and made.json()["state"] == "building", made.text
+    for name, body in (
+        ("#primary", {"primary": True}),
+        ("name_age", {"keys": CREATED["name_age"]}),
+    ):
+        made = httpx.post(base, json={"name": name, **body, "defer_build": True}, timeout=30)
+        assert made.status_code == 201 and made.json()["state"] == "deferred", made.text
+    for seed in range(12, 16):  # more versions while the builds run
+        more = documents(seed, 1_000)
+        write_jsonl(jsonl, more, append=True)
+        docs += more
+        if seed == 13:
+            built = httpx.post(f"{base}/_build", json={"indexes": ["#primary", "name_age"]})
+            assert built.status_code in (200, 202), built.text
+        time.sleep(0.2)
+    for name in ("tags", "#primary", "name_age"):
+        wait_active(daemon, name)
+    wait_equal(daemon, docs)
+    for name in ("tags", "#primary", "name_age"):
+        url = f"{base}/{name.replace('#', '%23')}/scan"
+        assert ndjson(url, consistency="request_plus") == model(docs, name), name
+    assert router.stop() == 0
