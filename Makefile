@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench check-python check-java clean fuzz
+.PHONY: demo test lint bench check-python check-java check-postgres clean fuzz
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory check-python
@@ -18,6 +18,16 @@ check-python:
 	  echo "error: Python 3.11 or newer is needed as '$(PYTHON)' (set PYTHON=/path/to/python3.11)" >&2; \
 	  exit 1; }
 
+# The router's PostgreSQL source is tested against a real server (initdb in a temporary
+# directory): the Debian package postgresql, installed here when missing.
+check-postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || { \
+	  echo "PostgreSQL's server (initdb, postgres) is missing: installing the Debian package postgresql"; \
+	  { command -v apt-get >/dev/null 2>&1 && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >/dev/null; } || { \
+	    echo "error: could not install PostgreSQL's server; install the package postgresql (Debian) or put initdb and postgres on PATH" >&2; \
+	    exit 1; }; }
+
 check-java:
 	@command -v java >/dev/null 2>&1 || { \
 	  echo "error: Java 17 or newer is needed for the Spark jobs and was not found on PATH" >&2; \
@@ -27,7 +37,7 @@ check-java:
 demo: $(STAMP) check-java
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) check-java lint
+test: $(STAMP) check-java check-postgres lint
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

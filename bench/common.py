@@ -22,9 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.harness import (
     HOST,
     Daemon,
+    Postgres,
     Router,
     RssSampler,
     cpu_split,
+    find_postgres,
     free_port,
     jsonl_lines,
     latest,
@@ -37,9 +39,11 @@ from tests.harness import (
 __all__ = [
     "HOST",
     "Daemon",
+    "Postgres",
     "Router",
     "RssSampler",
     "cpu_split",
+    "find_postgres",
     "free_port",
     "jsonl_lines",
     "latest",

@@ -44,13 +44,8 @@ Prints one line per measurement and ends with one JSON object of every figure.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import pwd
-import re
 import resource
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,13 +57,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
-import psutil
 from common import (  # bench/common.py: run as `python bench/...`
-    HOST,
     Daemon,
+    Postgres,
     Router,
     RssSampler,
     cpu_split,
+    find_postgres,
     free_port,
     in_workdir,
     jsonl_lines,
@@ -404,23 +399,6 @@ ON CONFLICT (id) DO UPDATE SET doc = EXCLUDED.doc
 """.strip()
 
 
-def find_postgres() -> Path | None:
-    """The directory of the newest initdb and postgres: /usr/lib/postgresql/*/bin, else PATH."""
-
-    def version(path: str) -> tuple[int, ...]:
-        digits = re.findall(r"\d+", Path(path).parent.name)
-        return tuple(int(d) for d in digits)
-
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=version, reverse=True)
-    initdb = shutil.which("initdb")
-    if initdb:
-        candidates.append(str(Path(initdb).resolve().parent))
-    for directory in candidates:
-        if all((Path(directory) / name).is_file() for name in ("initdb", "postgres")):
-            return Path(directory)
-    return None
-
-
 def copy_rows(lines: Sequence[bytes]) -> bytes:
     """Lines as COPY text rows of one jsonb column (backslash is COPY's escape)."""
     return b"".join(lines).replace(b"\\", b"\\\\")
@@ -431,114 +409,6 @@ def batches(path: Path) -> Iterator[list[bytes]]:
     with open(path, "rb") as f:
         while batch := list(islice(f, PG_BATCH)):
             yield batch
-
-
-class Postgres:
-    """initdb and postgres in a temporary directory, on a free port and a socket there."""
-
-    def __init__(self, bindir: Path, keep: bool) -> None:
-        self.bindir = bindir
-        self.keep = keep
-        self.user: str | None = None
-        owner = None
-        if os.geteuid() == 0:  # initdb and postgres refuse to run as root
-            self.user = "postgres"
-            owner = pwd.getpwnam(self.user)  # KeyError: no such user
-        self.dir = Path(tempfile.mkdtemp(prefix="pipeline-pg-"))
-        if owner is not None:
-            os.chown(self.dir, owner.pw_uid, owner.pw_gid)
-        self.data = self.dir / "data"
-        self.log_path = self.dir / "postgres.log"
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        psql = bindir / "psql"
-        self.psql = str(psql) if psql.is_file() else shutil.which("psql")
-
-    def run(self, *command: str) -> str:
-        """A server binary, as the server's user; its output."""
-        done = subprocess.run(
-            [str(self.bindir / command[0]), *command[1:]],
-            capture_output=True,
-            text=True,
-            user=self.user,
-            cwd=self.dir,
-            stdin=subprocess.DEVNULL,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{command[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return done.stdout
-
-    def start(self, timeout: float = 60) -> None:
-        """initdb (trust auth, C locale, UTF-8), then postgres; wait until it accepts."""
-        self.run(
-            "initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
-            "--locale", "C",
-        )  # fmt: skip
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    str(self.bindir / "postgres"),
-                    "-D",
-                    str(self.data),
-                    "-p",
-                    str(self.port),
-                    "-k",
-                    str(self.dir),
-                    "-c",
-                    f"listen_addresses={HOST}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                user=self.user,
-                cwd=self.dir,
-            )
-        deadline = time.monotonic() + timeout
-        while "ready to accept connections" not in self.log():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"postgres did not start:\n{self.log()[-3000:]}")
-            time.sleep(0.05)
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
-
-    def psql_command(self) -> list[str]:
-        """psql on the server's socket, stopping at the first error, quiet."""
-        if self.psql is None:
-            raise RuntimeError("no psql on the machine, and psycopg cannot be imported")
-        return [
-            self.psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", str(self.dir),
-            "-p", str(self.port), "-U", "postgres", "-d", "postgres",
-        ]  # fmt: skip
-
-    def query(self, sql: str) -> str:
-        """One statement through psql, its unaligned output."""
-        done = subprocess.run(
-            [*self.psql_command(), "-A", "-t", "-c", sql], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"psql failed: {done.stderr[-3000:]}")
-        return done.stdout.strip()
-
-    def server_cpu(self) -> float:
-        """CPU seconds of postgres and its processes so far."""
-        assert self.proc is not None
-        own, descendants = tree_cpu(psutil.Process(self.proc.pid))
-        return own + descendants
-
-    def stop(self) -> None:
-        """Fast shutdown (SIGINT); remove the directory unless kept."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.keep:
-            say(f"kept: {self.dir}")
-        else:
-            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def load_psycopg(pg: Postgres, path: Path) -> float:

@@ -81,6 +81,7 @@ def test_no_module_imports_itself_back_through_others() -> None:
         "indexer.grammar",
         "indexer.where",
         "indexer.expressions",
+        "indexer.router.pgoutput",
         "indexer.router.pipe",
         "indexer.router.shard_pipe",
         "indexer.router.bulk",

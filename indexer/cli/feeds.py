@@ -316,10 +316,9 @@ def _feed_state(
 @click.command()
 @click.option(
     "--state",
-    required=True,
     type=DIR,
     metavar="DIR",
-    help="The router's source log (created if missing).",
+    help="The router's source log (created if missing); needed but with --drop-slot.",
 )
 @click.option(
     "--to", "targets", multiple=True, metavar="HOST:PORT", help="An indexer node (repeat)."
@@ -404,13 +403,44 @@ def _feed_state(
     metavar="NAME",
     help="The shard's name in its log lines (internal).",
 )
+@click.option(
+    "--postgres",
+    metavar="DSN",
+    help="Follow a PostgreSQL table (--table) through logical replication: a connection "
+    "string such as 'host=db dbname=shop user=indexer'.",
+)
+@click.option(
+    "--table",
+    metavar="NAME",
+    help="With --postgres: the table (schema.table) whose rows are the documents.",
+)
+@click.option(
+    "--id-column",
+    metavar="NAME",
+    help="With --postgres: the column of the document id (default: the primary key).",
+)
+@click.option(
+    "--doc-column",
+    metavar="NAME",
+    help="With --postgres: a JSON column that is the document (default: every column).",
+)
+@click.option(
+    "--slot",
+    metavar="NAME",
+    help="With --postgres: the replication slot and publication (default indexer_SCHEMA_TABLE).",
+)
+@click.option(
+    "--drop-slot",
+    metavar="NAME",
+    help="With --postgres: drop this replication slot (and its publication), then exit.",
+)
 @TOKEN_OPTION
 @TOKEN_FILE_OPTION
 @TLS_OPTION
 @TLS_CA_OPTION
 @log_options
 def router(
-    state: Path,
+    state: Path | None,
     targets: tuple[str, ...],
     jsonl: Path | None,
     follow: bool,
@@ -433,11 +463,18 @@ def router(
     token_file: Path | None,
     tls: bool,
     tls_ca: Path | None,
+    postgres: str | None,
+    table: str | None,
+    id_column: str | None,
+    doc_column: str | None,
+    slot: str | None,
+    drop_slot: str | None,
     log_level: str | None,
     log_format: str,
 ) -> None:
     """Run a router until SIGINT or SIGTERM: append the inputs to the source log in --state and
-    stream it to every --to node, then each new document as it comes.
+    stream it to every --to node, then each new document as it comes. With --postgres, the
+    input is a table: its rows, then its changes.
 
     Examples:
 
@@ -447,9 +484,32 @@ def router(
     """
     from indexer.logs import configure as configure_logging
     from indexer.router import SourceError, SourceLog, Workload
+    from indexer.router.postgres import PostgresError, PostgresOptions
     from indexer.router.service import RouterOptions, run_router
     from indexer.storage import COMPACTION_NICE
 
+    if drop_slot is not None:
+        if postgres is None:
+            fail("--drop-slot needs --postgres DSN", 2)
+        from indexer.router.postgres import drop_slot as drop
+
+        try:
+            existed = drop(postgres, drop_slot)
+        except PostgresError as exc:
+            fail(str(exc))
+        click.echo(f"slot {drop_slot} dropped" if existed else f"no slot named {drop_slot}")
+        return
+    if state is None:
+        fail("--state DIR is needed: the router's source log", 2)
+    postgres_options = None
+    if postgres is not None:
+        if table is None:
+            fail("--postgres needs --table: the table whose rows are the documents", 2)
+        if jsonl is not None or generate is not None or shards > 1:
+            fail("--postgres is the router's input: not with --jsonl, --generate or --shards", 2)
+        postgres_options = PostgresOptions(postgres, table, id_column, doc_column, slot)
+    elif table or id_column or doc_column or slot:
+        fail("--table, --id-column, --doc-column and --slot go with --postgres DSN", 2)
     if follow and jsonl is None:
         fail("--follow needs --jsonl FILE", 2)
     if bool(targets) == (cluster_map is not None):
@@ -514,6 +574,7 @@ def router(
         security=_feed_security(token, token_file, tls, tls_ca),
         parent_pipe=parent_pipe,
         bulk_max_bytes=int(bulk_max_mb * (1 << 20)),
+        postgres=postgres_options,
     )
     try:
         log = SourceLog(
@@ -528,7 +589,7 @@ def router(
     with log:
         try:
             trio.run(run_router, log, options)
-        except OSError as exc:
+        except (OSError, PostgresError) as exc:
             fail(str(exc))
         except KeyboardInterrupt:
             fail("interrupted during start-up", 130)

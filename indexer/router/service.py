@@ -53,6 +53,7 @@ from indexer.router.node_stream import (
     NodeProgress,
     follow_memory,
 )
+from indexer.router.postgres import PostgresError, PostgresOptions, TableFollower
 from indexer.router.shard_input import follow_parent_stdio
 from indexer.router.source import SourceError, SourceLog, describe_vbuckets
 from indexer.router.workload import Workload, generate, paced
@@ -92,6 +93,7 @@ class RouterOptions:
     # A shard of `indexer router --shards`: the input is the parent's, on stdin (needs `http`).
     parent_pipe: bool = False
     bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES  # of a POST /docs/_bulk body
+    postgres: PostgresOptions | None = None  # a table followed through logical replication
 
 
 async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None:
@@ -346,8 +348,10 @@ class DocsApi:
         collector: CollectorPauses | None = None,
         bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES,
         parent_url: str | None = None,
+        postgres: TableFollower | None = None,
     ) -> None:
         self.appender = appender
+        self.postgres = postgres  # the followed table, shown in /stats
         # A shard's parent: bulk lines of other shards' vbuckets go there, it sends them on.
         self.parent_url = parent_url
         self.client: httpx.AsyncClient | None = None  # made for the first forwarded bulk
@@ -604,6 +608,7 @@ class DocsApi:
                 "pending": source.pending_expiries,
                 "expired": self.appender.expired,
             },
+            "postgres": None if self.postgres is None else self.postgres.progress.as_json(),
             "source": {
                 "vbuckets": source.num_vbuckets,
                 "vbuckets_used": len(source.vbuckets_with_history()),
@@ -648,11 +653,12 @@ async def serve_http(
     collector: CollectorPauses | None = None,
     bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES,
     parent_url: str | None = None,
+    postgres: TableFollower | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The documents API until cancelled; reports the bound address. With a token, changes
     need it as a bearer token."""
-    app = DocsApi(appender, nodes, token, collector, bulk_max_bytes, parent_url)
+    app = DocsApi(appender, nodes, token, collector, bulk_max_bytes, parent_url, postgres)
     await serve_asgi(address, app, "indexer.router.http", task_status=task_status)
 
 
@@ -701,6 +707,8 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
     nodes = Nodes(targets)
     running: dict[Address, trio.CancelScope] = {}
     url = ""
+    follower = None if options.postgres is None else TableFollower(options.postgres, appender)
+    failed: list[PostgresError] = []
     signals_of = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM)
     with signals_of as signals, rare_collections() as collector:
         async with trio.open_nursery() as nursery:
@@ -748,6 +756,7 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                     collector,
                     options.bulk_max_bytes,
                     os.environ.get(PARENT_URL_ENV) if options.parent_pipe else None,
+                    follower,
                 )
                 log.log(
                     logging.DEBUG if options.parent_pipe else logging.INFO,  # the parent says it
@@ -768,6 +777,16 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                 nursery.start_soon(read_jsonl_input, options.jsonl, options.follow, appender)
             if options.generate is not None:
                 nursery.start_soon(generate_input, options.generate, options.rate, appender)
+            if follower is not None:
+
+                async def follow_table() -> None:
+                    try:
+                        await follower.run()
+                    except PostgresError as exc:
+                        failed.append(exc)
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(follow_table)
             log.info(
                 "router running: source log in %s, %d vbuckets; streaming to %s",
                 source.path,
@@ -778,4 +797,6 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
                 log.info("%s received: stopping", signal.Signals(signum).name)
                 nursery.cancel_scope.cancel()
                 break
+    if failed:
+        raise failed[0]
     log.info("stopped")

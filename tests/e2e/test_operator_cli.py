@@ -303,7 +303,7 @@ def test_log_format_json_for_the_daemon_and_the_router(
 # The placeholders of the command line; the same thing has the same one everywhere.
 PLACEHOLDERS = {
     "FILE", "DIR", "HOST:PORT", "URL", "NAME", "PORT", "N", "VB", "SEQNO", "RATIO", "MB",
-    "SECONDS", "JSON", "PATHS", "CONDITION", "TOKEN", "RANGE", "ID",
+    "SECONDS", "JSON", "PATHS", "CONDITION", "TOKEN", "RANGE", "ID", "DSN",
 }  # fmt: skip
 SAME_THING = {"--to": "HOST:PORT", "--http": "HOST:PORT", "--url": "URL", "--node": "NAME"}
 

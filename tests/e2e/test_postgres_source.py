@@ -1,0 +1,290 @@
+"""`indexer router --postgres`: a real PostgreSQL server (initdb in a temporary directory,
+wal_level=logical), a real router and a real daemon. The indexes must equal a model computed from
+the table's final contents, read back with psycopg2's own types, and the router's source log
+must hold each change exactly once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg2
+import psycopg2.extras
+import pytest
+
+from indexer.router.documents import Document
+from tests.e2e.conftest import WAIT_S, Daemon, Router, free_port, model, write_config
+from tests.harness import Postgres, find_postgres, indexer_command
+
+pytestmark = pytest.mark.e2e
+
+LOGICAL = {"wal_level": "logical", "max_wal_senders": "10", "max_replication_slots": "10"}
+PARTIAL = {"indexes.adults": {"keys": ["age"], "where": "age >= 18"}}
+INDEXES = {"by_city": ["address.city", "age"], "by_age": ["age"], "adults": ["age"]}
+TABLE = """
+CREATE TABLE people (
+    id text PRIMARY KEY,
+    address jsonb,
+    age integer,
+    score numeric,
+    seen timestamptz,
+    tags text[],
+    active boolean
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[Postgres]:
+    bindir = find_postgres()
+    assert bindir is not None, (
+        "PostgreSQL's initdb and postgres are not installed: `make test` installs the Debian "
+        "package postgresql"
+    )
+    server = Postgres(bindir, settings=LOGICAL)
+    server.start()
+    yield server
+    server.stop()
+
+
+def dsn(pg: Postgres, database: str) -> str:
+    return f"host={pg.dir} port={pg.port} user=postgres dbname={database}"
+
+
+@pytest.fixture
+def db(pg: Postgres, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh database of its own for each test, with the table; its DSN."""
+    name = "t_" + request.node.name.lower().replace("[", "_").replace("]", "")[:40]
+    pg.query(f"DROP DATABASE IF EXISTS {name}")
+    pg.query(f"CREATE DATABASE {name}")
+    url = dsn(pg, name)
+    run(url, TABLE)
+    yield url
+    # A test's slots must go before its database can be dropped.
+    conn = psycopg2.connect(dsn(pg, "postgres"))
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+            "WHERE database = %s AND NOT active",
+            (name,),
+        )
+    conn.close()
+
+
+def run(url: str, sql: str, params: Any = None) -> None:
+    """One statement in its own transaction."""
+    conn = psycopg2.connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute(sql, params)
+    conn.close()
+
+
+def person(i: int, age: int | None = None) -> tuple[Any, ...]:
+    cities = ["Oslo", "Rome", "Lima", "Kyiv", None]
+    city = cities[i % len(cities)]
+    address = json.dumps({"city": city, "zip": f"{i:05d}"}) if i % 7 else None
+    return (
+        f"p{i}",
+        address,
+        (i * 7) % 90 if age is None else age,
+        f"{i}.25",
+        "2026-01-02 03:04:05.5+00",
+        ["a", f"t{i % 3}"],
+        i % 2 == 0,
+    )
+
+
+INSERT = "INSERT INTO people VALUES (%s, %s, %s, %s, %s, %s, %s)"
+
+
+def insert_many(url: str, rows: list[tuple[Any, ...]]) -> None:
+    """One transaction."""
+    conn = psycopg2.connect(url)
+    with conn, conn.cursor() as cur:
+        psycopg2.extras.execute_batch(cur, INSERT, rows, page_size=1000)
+    conn.close()
+
+
+def table_documents(url: str) -> list[Document]:
+    """The table's final contents as documents, with psycopg2's own conversions."""
+    conn = psycopg2.connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT id, address, age FROM people")
+        rows = cur.fetchall()
+    conn.close()
+    return [Document(i, {"id": i, "address": a, "age": age}) for i, a, age in rows]
+
+
+def scans(daemon: Daemon) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for name in INDEXES:
+        answer = httpx.get(f"{daemon.url}/indexes/{name}/scan", timeout=60)
+        assert answer.status_code == 200, answer.text
+        out[name] = [json.loads(line) for line in answer.text.splitlines() if line]
+    return out
+
+
+def wanted(url: str) -> dict[str, list[dict[str, Any]]]:
+    documents = table_documents(url)
+    out = {name: model(documents, paths) for name, paths in INDEXES.items() if name != "adults"}
+    out["adults"] = model(documents, ["age"], "age >= 18")
+    return out
+
+
+def wait_model(daemon: Daemon, url: str, router: Router, timeout: float = WAIT_S) -> None:
+    want = wanted(url)
+    deadline = time.monotonic() + timeout
+    while True:
+        got = scans(daemon)
+        if got == want:
+            return
+        router.check_alive()
+        assert time.monotonic() < deadline, {
+            name: (len(got[name]), len(want[name])) for name in INDEXES
+        }
+        time.sleep(0.2)
+
+
+def start_router(tmp: Path, daemon: Daemon, url: str, *extra: str) -> Router:
+    """A router following the table, its log in a file of its own (a restart gets a new one)."""
+    router = Router(
+        tmp / f"router{len(list(tmp.glob('router*.log')))}.log",
+        "--state", str(tmp / "state"), "--to", daemon.address, "--http", "127.0.0.1:0",
+        "--postgres", url, "--table", "public.people", *extra,
+    )  # fmt: skip
+    router.wait_url()
+    return router
+
+
+def start_daemon(tmp: Path) -> Daemon:
+    port = free_port()
+    config = write_config(tmp / "indexer.toml", tmp / "data", port, **PARTIAL)
+    return Daemon(config, tmp / "daemon.log", port).start()
+
+
+def test_rows_then_changes_of_every_kind_equal_the_table(db: str, tmp_path: Path) -> None:
+    insert_many(db, [person(i) for i in range(1_000)])  # before the slot: the initial copy
+    daemon = start_daemon(tmp_path)
+    router = start_router(tmp_path, daemon, db)
+    wait_model(daemon, db, router)
+    stats = router.stats()["postgres"]
+    assert stats["copied_rows"] == 1_000 and stats["slot"] == "indexer_public_people"
+    # Inserts, updates (a key, an age out of the partial index, a city), deletes.
+    insert_many(db, [person(i) for i in range(1_000, 1_500)])
+    run(db, "UPDATE people SET age = 10 WHERE id = 'p20'")  # p20 was 50: leaves `adults`
+    run(db, "UPDATE people SET id = 'moved' WHERE id = 'p21'")  # the document id changes
+    run(db, "UPDATE people SET address = '{\"city\": \"Bern\"}' WHERE id LIKE 'p3%'")
+    run(db, "DELETE FROM people WHERE id LIKE 'p4%'")
+    wait_model(daemon, db, router)
+    body = httpx.get(f"{daemon.url}/indexes/by_age/docs/moved").json()
+    assert body["entries"] and body["entries"][0]["id"] == "moved"
+    assert httpx.get(f"{daemon.url}/indexes/by_age/docs/p21").json()["entries"] == []
+    # TRUNCATE deletes every document; rows inserted after it are there.
+    run(db, "TRUNCATE people")
+    insert_many(db, [person(i) for i in range(5_000, 5_010)])
+    wait_model(daemon, db, router)
+    assert len(scans(daemon)["by_age"]) == 10
+    router.wait_log(r"TRUNCATE of public\.people: deleting its \d+ documents")
+    stats = router.stats()["postgres"]
+    assert stats["state"] == "streaming" and stats["truncates"] == 1
+    assert stats["confirmed_lsn"] is not None
+    for key in ("lag_bytes", "lag_s", "changes_per_s", "server_lsn"):
+        assert key in stats, key
+    # Every change once: the copy, 500 inserts, 1 + 2 (a moved id: a delete and an insert)
+    # + 111 updated + 111 deleted, the truncated documents, then 10 inserts.
+    assert router.stop() == 0
+    assert daemon.stop() == 0
+
+
+def test_router_killed_in_a_large_transaction_resumes_exactly_once(db: str, tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path)
+    router = start_router(tmp_path, daemon, db)
+    router.wait_log(r"following public\.people through slot")
+    # One transaction of 30,000 inserts: the router appends it in pieces as it reads it.
+    insert_many(db, [person(i) for i in range(30_000)])
+    deadline = time.monotonic() + WAIT_S
+    while router.stats()["postgres"]["changes"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    appended = router.appended()
+    router.stop(signal.SIGKILL)
+    assert appended < 30_000, "the transaction was all appended before the kill: not a test"
+    run(db, "UPDATE people SET age = age + 1 WHERE id LIKE 'p1%'")
+    router = start_router(tmp_path, daemon, db)
+    wait_model(daemon, db, router)
+    updated = len([i for i in range(30_000) if str(i).startswith("1")])
+    # Each change once in the source log: no insert appended twice after the restart.
+    assert router.appended() == 30_000 + updated
+    assert router.stats()["postgres"]["skipped"] > 0  # read again, recognised, skipped
+    assert daemon.stop() == 0
+    assert router.stop() == 0
+
+
+def test_daemon_killed_and_restarted_during_the_stream(db: str, tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path)
+    router = start_router(tmp_path, daemon, db)
+    for start in range(0, 6_000, 1_000):
+        insert_many(db, [person(i) for i in range(start, start + 1_000)])
+        if start == 3_000:
+            daemon.kill()
+            daemon.start()
+    run(db, "DELETE FROM people WHERE age > 80")
+    wait_model(daemon, db, router)
+    assert daemon.stop() == 0
+    assert router.stop() == 0
+
+
+def test_a_large_table_is_copied_while_changes_go_on(db: str, tmp_path: Path) -> None:
+    conn = psycopg2.connect(db)
+    with conn, conn.cursor() as cur:
+        cur.execute(
+            "INSERT INTO people SELECT 'p' || i, jsonb_build_object('city', 'C' || (i % 50)), "
+            "i % 90, i, now(), ARRAY['x'], true FROM generate_series(1, 100000) AS i"
+        )
+    conn.close()
+    daemon = start_daemon(tmp_path)
+    router = start_router(tmp_path, daemon, db)
+    # Changes while the copy runs: after the slot's snapshot, they come through the stream.
+    for i in range(1, 2_000, 10):
+        run(db, "UPDATE people SET age = 99 WHERE id = %s", (f"p{i}",))
+    run(db, "DELETE FROM people WHERE id IN ('p2', 'p4')")
+    wait_model(daemon, db, router, timeout=300)
+    assert router.stats()["postgres"]["copied_rows"] >= 99_998
+    assert daemon.stop() == 0
+    assert router.stop() == 0
+
+
+def test_clear_errors_and_dropping_the_slot(db: str, pg: Postgres, tmp_path: Path) -> None:
+    run(db, "CREATE TABLE loose (a int, b text)")
+    daemon = start_daemon(tmp_path)
+    refused = Router(
+        tmp_path / "loose.log",
+        "--state", str(tmp_path / "s1"), "--to", daemon.address,
+        "--postgres", db, "--table", "loose",
+    )  # fmt: skip
+    assert refused.proc.wait(timeout=60) == 1
+    line = refused.log().strip().splitlines()[-1]
+    assert "no primary key and no replica identity" in line and "REPLICA IDENTITY FULL" in line
+    router = start_router(tmp_path, daemon, db)
+    router.wait_log(r"following public\.people through slot")
+    assert router.stop() == 0
+    dropped = subprocess_run("--postgres", db, "--drop-slot", "indexer_public_people")
+    assert dropped.returncode == 0 and "slot indexer_public_people dropped" in dropped.stdout
+    again = subprocess_run("--postgres", db, "--drop-slot", "indexer_public_people")
+    assert again.returncode == 0 and "no slot named" in again.stdout
+    assert pg.query("SELECT count(*) FROM pg_replication_slots") == "0"
+    assert daemon.stop() == 0
+
+
+def subprocess_run(*args: str) -> Any:
+    import subprocess
+
+    return subprocess.run(
+        indexer_command("router", *args), capture_output=True, text=True, timeout=60
+    )
