@@ -51,6 +51,8 @@ log = logging.getLogger("indexer.router")
 BATCH_CHANGES = 5_000  # changes appended as one synced batch, at most
 COPY_ROWS = 5_000  # rows fetched per round trip of the initial copy
 FEEDBACK_S = 5.0  # how often the slot hears from the router when nothing else happens
+COALESCE_S = 0.005  # how long an append waits for more of the stream to join it
+YIELD_EVERY = 256  # messages read between two looks at the other tasks
 STATS_S = 2.0  # how often the slot's confirmed LSN and the server's WAL end are read
 RETRY_S = 2.0  # before connecting again after the server went away
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -519,12 +521,23 @@ class TableFollower:
         applier = _Applier(self, table, position, cur)
         fd = stream.fileno()
         last_feedback = time.monotonic()
+        taken = 0
         while True:
             message = cur.read_message()
             if message is not None:
                 await applier.take(bytes(message.payload))
+                taken += 1
+                if taken % YIELD_EVERY == 0:
+                    await trio.lowlevel.checkpoint()  # the node streams send meanwhile
                 continue
-            await applier.flush()  # nothing more for now: append what is whole
+            if applier.pending_position is not None:
+                # Nothing more for now; if more comes at once, it joins this append (one
+                # synced batch for several transactions), else what is whole is appended.
+                with trio.move_on_after(COALESCE_S) as waited:
+                    await trio.lowlevel.wait_readable(fd)
+                if not waited.cancelled_caught:
+                    continue
+                await applier.flush()
             now = time.monotonic()
             if now - last_feedback >= FEEDBACK_S:
                 cur.send_feedback(flush_lsn=applier.confirmed, reply=False)
