@@ -6,6 +6,7 @@ must hold each change exactly once."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -288,3 +289,32 @@ def subprocess_run(*args: str) -> Any:
     return subprocess.run(
         indexer_command("router", *args), capture_output=True, text=True, timeout=60
     )
+
+
+def test_a_copy_cut_short_is_made_again_and_rows_gone_meanwhile_are_deleted(
+    db: str, tmp_path: Path
+) -> None:
+    run(
+        db,
+        "INSERT INTO people SELECT 'p' || i, jsonb_build_object('city', 'C' || (i % 50)), "
+        "i % 90, i, now(), ARRAY['x'], true FROM generate_series(1, 150000) AS i",
+    )
+    daemon = start_daemon(tmp_path)
+    router = start_router(tmp_path, daemon, db)
+    deadline = time.monotonic() + WAIT_S
+    while router.stats()["postgres"]["copied_rows"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    router.stop(signal.SIGKILL)
+    copied = router.log().count("copied ")
+    assert copied == 0, "the copy finished before the kill: not a test"
+    run(db, "DELETE FROM people WHERE id LIKE 'p1%'")  # some of them were copied already
+    router = start_router(tmp_path, daemon, db)
+    router.wait_log(r"copying public\.people")
+    wait_model(daemon, db, router, timeout=300)
+    assert "the initial copy was cut short" in router.log()
+    # Rows the first copy had appended, deleted before the second: their documents go.
+    gone = re.search(r"\((\d+) documents of an earlier copy deleted\)", router.log())
+    assert gone is not None and int(gone.group(1)) > 0, router.log()[-2000:]
+    assert daemon.stop() == 0
+    assert router.stop() == 0
