@@ -3,13 +3,13 @@
     python bench/report.py [--quick] [--skip-spark] [--only NAME,...] [--results DIR]
     python bench/report.py --from-results DIR
 
-The benchmarks (pipeline, ingest, scan, rollback, router, build, memory: `bench/NAME.py`) run one
-after
-the other as subprocesses with their default sizes; `--quick` gives them small sizes instead, to
-check the whole chain in a few minutes (its figures are not to be quoted), and `--only` runs
-just the ones named. Each one's stdout is saved to DIR/NAME.out (stderr to NAME.err) and its
-last line, one JSON object, with the run's conditions to DIR/NAME.json; DIR is bench/results
-(not committed). `--from-results DIR` runs nothing and renders what DIR holds.
+The benchmarks (pipeline, ingest, scan, rollback, router, build, memory, spark, postgres:
+`bench/NAME.py`) run one after the other as subprocesses with their default sizes; `--quick`
+gives them small sizes instead, to check the whole chain in a few minutes (its figures are not
+to be quoted), and `--only` runs just the ones named. Each one's stdout is saved to
+DIR/NAME.out (stderr to NAME.err) and its last line, one JSON object, with the run's conditions
+to DIR/NAME.json; DIR is bench/results (not committed). `--from-results DIR` runs nothing and
+renders what DIR holds.
 
 Rendering reads every NAME.json in the results directory (so a run with `--only` keeps the other
 benchmarks' latest results) and writes: PNG plots into docs/perf/ (matplotlib, Agg), the
@@ -85,6 +85,7 @@ BENCHES = (
     Bench("build", ("--documents", "20000", "--feed-rate", "2000", "--feed-max-s", "20")),
     Bench("memory", ("--mutations", "200000", "--stuck-s", "5")),
     Bench("spark", ("--documents", "50000", "--rounds", "1")),
+    Bench("postgres", ("--quick",)),
 )
 NAMES = tuple(b.name for b in BENCHES)
 
@@ -506,7 +507,24 @@ def headline_rows(results: dict[str, Json]) -> list[Row]:
                 times(r.get("peak_rss_vs_quota")),
             )
         )
+    if "postgres" in results:
+        rows.append(postgres_row(results["postgres"]["result"]))
     return rows
+
+
+def postgres_row(r: Json) -> Row:
+    """A table's changes through `indexer router --postgres` to persisted, beside the router's
+    JSONL rate for the same documents (or why it did not run)."""
+    pg, jsonl = r.get("pg_changes_per_s"), r.get("jsonl_docs_per_s")
+    baseline = "the router's JSONL rate, same documents"
+    return Row(
+        "postgres",
+        f"changes/s from commit to persisted, {num(r.get('batch'))}-row transactions",
+        "-" if pg is None else f"{num(pg)} changes/s",
+        f"not run: {r['skipped']}" if r.get("skipped") else baseline,
+        "-" if jsonl is None else f"{num(jsonl)} docs/s",
+        times(r.get("ratio_pg_vs_jsonl")),
+    )
 
 
 def headline_table(rows: Sequence[Row]) -> str:
