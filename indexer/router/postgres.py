@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeGuard
 
+import orjson
 import trio
 
 from indexer.router.appender import Appender
@@ -40,7 +41,7 @@ from indexer.router.pgoutput import (
     Relation,
     Truncate,
     Update,
-    convert_value,
+    converter,
     decode_message,
     format_lsn,
     parse_lsn,
@@ -48,7 +49,8 @@ from indexer.router.pgoutput import (
 
 log = logging.getLogger("indexer.router")
 
-BATCH_CHANGES = 5_000  # changes appended as one synced batch, at most
+BATCH_CHANGES = 5_000  # changes of one transaction before a cut inside it
+MAX_PENDING = 50_000  # changes read ahead of a busy appender, at most
 COPY_ROWS = 5_000  # rows fetched per round trip of the initial copy
 FEEDBACK_S = 5.0  # how often the slot hears from the router when nothing else happens
 COALESCE_S = 0.005  # how long an append waits for more of the stream to join it
@@ -236,6 +238,40 @@ def describe_table(conn: Any, options: PostgresOptions) -> Table:
     return Table(oid, columns, id_column, options.doc_column)
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """How a row's values become a document: each column's name and converter (chosen once per
+    table or Relation message), and where the id and the --doc-column are."""
+
+    names: tuple[str, ...]
+    converters: tuple[Callable[[str], Any], ...]
+    id_at: int
+    doc_at: int | None
+
+
+def _shape(columns: Sequence[tuple[str, int]], table: Table) -> _Shape:
+    names = tuple(name for name, _ in columns)
+    if table.id_column not in names:
+        raise PgOutputError(f"the table's columns no longer include {table.id_column}")
+    doc_at = None if table.doc_column is None else names.index(table.doc_column)
+    return _Shape(
+        names,
+        tuple(converter(oid) for _, oid in columns),
+        names.index(table.id_column),
+        doc_at,
+    )
+
+
+def _with_line(docid: str, body: dict[str, Any]) -> Document:
+    """A document with the line the source log stores (the JSONL input's shape), made with
+    orjson: the log would otherwise encode it again with the standard library."""
+    try:
+        line = orjson.dumps({"id": docid, "doc": body})
+    except TypeError:  # an integer beyond 64 bits: the log encodes it
+        return Document(docid, body)
+    return Document(docid, body, line)
+
+
 def drop_slot(dsn: str, slot: str) -> bool:
     """Drop a replication slot, and the publication of the same name (blocking); whether the
     slot existed."""
@@ -311,32 +347,22 @@ class TableFollower:
         """Every column as text (converted like a streamed change's values)."""
         return ", ".join(f'"{c}"::text' for c, _ in table.columns)
 
-    def _document(self, columns: Relation | Table, values: Sequence[Any]) -> Document:
+    def _document(self, shape: _Shape, values: Sequence[Any]) -> Document:
         """A row (its values' text forms) as a document: all its columns, or --doc-column."""
-        if isinstance(columns, Relation):
-            pairs = [(c.name, c.type_oid) for c in columns.columns]
-        else:
-            pairs = list(columns.columns)
-        names = [name for name, _ in pairs]
-        table = self.table
-        assert table is not None
-        docid = values[names.index(table.id_column)]
+        docid = values[shape.id_at]
         if docid is None:
-            raise PgOutputError(f"a row of {self.qualified} with a NULL {table.id_column}")
-        if table.doc_column is None:
+            raise PgOutputError(f"a row of {self.qualified} with a NULL id")
+        if shape.doc_at is None:
             body = {
-                name: None if value is None else convert_value(oid, value)
-                for (name, oid), value in zip(pairs, values, strict=True)
+                name: None if value is None else convert(value)
+                for name, convert, value in zip(shape.names, shape.converters, values, strict=True)
             }
-            return Document(str(docid), body)
-        at = names.index(table.doc_column)
-        text = values[at]
-        document = {} if text is None else convert_value(pairs[at][1], text)
+            return _with_line(str(docid), body)
+        text = values[shape.doc_at]
+        document = {} if text is None else shape.converters[shape.doc_at](text)
         if not isinstance(document, dict):
-            raise PgOutputError(
-                f"{self.qualified}.{table.doc_column} of {docid} is not a JSON object"
-            )
-        return Document(str(docid), document)
+            raise PgOutputError(f"{self.qualified}: the document of {docid} is not a JSON object")
+        return _with_line(str(docid), document)
 
     def _row(self, table: Table, docid: str) -> Document | None:
         """The row as the table holds it now (an update left a TOASTed value out)."""
@@ -348,7 +374,7 @@ class TableFollower:
                 (docid,),
             )
             found = cur.fetchone()
-        return None if found is None else self._document(table, found)
+        return None if found is None else self._document(_shape(table.columns, table), found)
 
     def _stats_connection(self) -> Any:
         if self._stats_conn is None or self._stats_conn.closed:
@@ -475,12 +501,13 @@ class TableFollower:
                 return named
 
             rows = await trio.to_thread.run_sync(begin)
+            shape = _shape(table.columns, table)
             copied = 0
             while True:
                 batch = await trio.to_thread.run_sync(rows.fetchmany, COPY_ROWS)
                 if not batch:
                     break
-                documents = [self._document(table, row) for row in batch]
+                documents = [self._document(shape, row) for row in batch]
                 seen.update(d.docid for d in documents)
                 copied += len(documents)
                 await self.appender.append(documents, Position(start, copied=copied).encode())
@@ -504,7 +531,8 @@ class TableFollower:
         return position
 
     async def _stream(self, stream: Any, table: Table, position: Position) -> None:
-        """Read the slot's changes and append them, confirming what is synced."""
+        """Read the slot's changes and append them, confirming what is synced: a reader that
+        decodes while an appender writes (two tasks joined by an unbuffered channel)."""
         slot = self.options.slot_name
         cur = stream.cursor()
         await trio.to_thread.run_sync(
@@ -518,49 +546,67 @@ class TableFollower:
         self.progress.error = None
         self.progress.confirmed_lsn = format_lsn(position.lsn)
         log.info("following %s through slot %s", self.qualified, slot)
-        applier = _Applier(self, table, position, cur)
-        fd = stream.fileno()
-        last_feedback = time.monotonic()
-        taken = 0
-        while True:
-            message = cur.read_message()
-            if message is not None:
-                await applier.take(bytes(message.payload))
-                taken += 1
-                if taken % YIELD_EVERY == 0:
-                    await trio.lowlevel.checkpoint()  # the node streams send meanwhile
-                continue
-            if applier.pending_position is not None:
-                # Nothing more for now; if more comes at once, it joins this append (one
-                # synced batch for several transactions), else what is whole is appended.
-                with trio.move_on_after(COALESCE_S) as waited:
-                    await trio.lowlevel.wait_readable(fd)
-                if not waited.cancelled_caught:
-                    continue
-                await applier.flush()
-            now = time.monotonic()
-            if now - last_feedback >= FEEDBACK_S:
-                cur.send_feedback(flush_lsn=applier.confirmed, reply=False)
-                last_feedback = now
-            with trio.move_on_after(FEEDBACK_S):
-                await trio.lowlevel.wait_readable(fd)
+        reader = _StreamReader(self, table, position)
+        async with trio.open_nursery() as nursery:
+            send, receive = trio.open_memory_channel[_Cut](0)
+            nursery.start_soon(self._append_cuts, receive, cur, position.lsn, reader)
+            await reader.run(stream, cur, send)
+
+    async def _append_cuts(
+        self,
+        cuts: trio.MemoryReceiveChannel[_Cut],
+        cur: Any,
+        confirmed: int,
+        reader: _StreamReader,
+    ) -> None:
+        """Append each cut (one synced batch with its position), then confirm to the slot the
+        whole transactions it ends."""
+        progress = self.progress
+        async for cut in cuts:
+            await self.appender.append(cut.documents, cut.position.encode())
+            progress.changes += len(cut.documents)
+            progress.lag_s = (
+                0.0
+                if cut.oldest_commit is None or reader.idle
+                else round((datetime.now(UTC) - cut.oldest_commit).total_seconds(), 3)
+            )
+            if cut.confirm is not None and cut.confirm > confirmed:
+                confirmed = cut.confirm
+                cur.send_feedback(flush_lsn=confirmed, force=True)
+                progress.confirmed_lsn = format_lsn(confirmed)
+            reader.appended(confirmed)
 
 
-class _Applier:
-    """Turns the stream's messages into documents, appends them in synced batches with their
-    position, and confirms each transaction once it is all in the log."""
+@dataclass
+class _Cut:
+    """Changes to append in one synced batch, where they leave the table, and the end LSN of
+    the last whole transaction among them (what the slot may forget once they are synced)."""
 
-    def __init__(self, follower: TableFollower, table: Table, position: Position, cur: Any):
+    documents: list[Document]
+    position: Position
+    confirm: int | None
+    oldest_commit: datetime | None
+
+
+class _StreamReader:
+    """Turns the stream's messages into documents and hands them to the appender in cuts: as
+    soon as it is free, or, past MAX_PENDING changes, waiting for it. A cut ends at a whole
+    transaction, or inside a large one with how many of its changes it holds."""
+
+    def __init__(self, follower: TableFollower, table: Table, position: Position):
         self.follower = follower
         self.table = table
-        self.position = position  # what the log holds
-        self.cur = cur
-        self.confirmed = position.lsn
         self.relation: Relation | None = None
+        self.shape: _Shape | None = None  # of the table's last Relation message
+        self.held = position  # what the log held when streaming started: skipped
         self.pending: list[Document] = []
         self.pending_position: Position | None = None
-        self.pending_confirm: int | None = None  # end LSN of the last whole transaction pending
+        self.pending_confirm: int | None = None
         self.oldest_commit: datetime | None = None
+        self.confirmed = position.lsn  # what the appender confirmed so far
+        self.in_flight = 0  # cuts handed over and not appended yet
+        self._appended = trio.Event()
+        self.idle = False  # the stream had nothing more when the last cut was handed over
         # The transaction being read: its commit LSN and time, its changes so far, and how many
         # of them the log already holds (-1: all).
         self.txn_lsn = 0
@@ -568,12 +614,72 @@ class _Applier:
         self.txn_seen = 0
         self.txn_skip = 0
 
-    async def take(self, payload: bytes) -> None:
+    def appended(self, confirmed: int) -> None:
+        """The appender finished a cut."""
+        self.in_flight -= 1
+        self.confirmed = confirmed
+        self._appended.set()
+        self._appended = trio.Event()
+
+    async def run(self, stream: Any, cur: Any, cuts: trio.MemorySendChannel[_Cut]) -> None:
+        fd = stream.fileno()
+        last_feedback = time.monotonic()
+        taken = 0
+        while True:
+            message = cur.read_message()
+            if message is not None:
+                self.idle = False
+                await self.take(bytes(message.payload), cuts)
+                taken += 1
+                if taken % YIELD_EVERY == 0:
+                    await trio.lowlevel.checkpoint()  # the node streams send meanwhile
+                continue
+            if self.pending_position is not None:
+                # Nothing more for now; if more comes at once it joins the cut, else what is
+                # whole goes to the appender (waiting for it if it is busy).
+                with trio.move_on_after(COALESCE_S) as waited:
+                    await trio.lowlevel.wait_readable(fd)
+                if not waited.cancelled_caught:
+                    continue
+                self.idle = True
+                await self.hand_over(cuts, wait=True)
+            now = time.monotonic()
+            if now - last_feedback >= FEEDBACK_S:
+                cur.send_feedback(flush_lsn=self.confirmed, force=True)
+                last_feedback = now
+            with trio.move_on_after(FEEDBACK_S):
+                await trio.lowlevel.wait_readable(fd)
+
+    async def hand_over(self, cuts: trio.MemorySendChannel[_Cut], wait: bool) -> bool:
+        """Give what is pending to the appender: at once if it is free, else only with `wait`
+        (then when it is). Whether it was given."""
+        if self.pending_position is None:
+            return True
+        cut = _Cut(self.pending, self.pending_position, self.pending_confirm, self.oldest_commit)
+        try:
+            cuts.send_nowait(cut)
+        except trio.WouldBlock:
+            if not wait:
+                return False
+            await cuts.send(cut)
+        self.in_flight += 1
+        self.pending, self.pending_position, self.pending_confirm = [], None, None
+        if cut.position.done is None:
+            self.oldest_commit = None
+        return True
+
+    async def drain(self, cuts: trio.MemorySendChannel[_Cut]) -> None:
+        """Until everything read so far is in the log."""
+        await self.hand_over(cuts, wait=True)
+        while self.in_flight:
+            await self._appended.wait()
+
+    async def take(self, payload: bytes, cuts: trio.MemorySendChannel[_Cut]) -> None:
         """One message of the stream."""
         message = decode_message(payload)
         if isinstance(message, Begin):
             self.txn_lsn, self.txn_time, self.txn_seen = message.final_lsn, message.commit_time, 0
-            held = self.position
+            held = self.held
             if message.final_lsn < held.lsn or (
                 message.final_lsn == held.lsn and held.done is None
             ):
@@ -585,16 +691,21 @@ class _Applier:
         elif isinstance(message, Relation):
             if message.oid == self.table.oid:
                 self.relation = message
+                self.shape = _shape([(c.name, c.type_oid) for c in message.columns], self.table)
         elif isinstance(message, Commit):
-            if self.pending_position is None and not self.pending:
+            if self.txn_skip != -1 and self.txn_seen > self.txn_skip:
+                # Some of it is new: its position is recorded whole even when a large
+                # transaction's changes were all handed over before this Commit.
+                self.follower.progress.transactions += 1
+                self.pending_position = Position(self.txn_lsn)
+            elif self.pending_position is None:
                 self.confirmed = max(self.confirmed, message.end_lsn)  # nothing of it to append
                 return
             self.pending_confirm = message.end_lsn
-            if self.txn_skip != -1 and self.txn_seen > self.txn_skip:
-                self.follower.progress.transactions += 1
-                self.pending_position = Position(self.txn_lsn)
-            if len(self.pending) >= BATCH_CHANGES:
-                await self.flush()
+            if len(self.pending) >= MAX_PENDING:
+                await self.hand_over(cuts, wait=True)
+            else:
+                await self.hand_over(cuts, wait=False)
         elif self._ours(message):
             # Changes are counted by message: one appends all its documents at once, so a
             # restart in the middle of a transaction skips whole messages.
@@ -604,16 +715,39 @@ class _Applier:
                 return
             if self.oldest_commit is None:
                 self.oldest_commit = self.txn_time
-            self.pending += await self._documents(message)
+            if isinstance(message, Truncate):
+                await self.drain(cuts)  # every earlier change in the log first
+            documents = self._row_change(message)
+            if documents is None:  # a TRUNCATE, or a row to read again
+                documents = await self._documents(message)
+            self.pending += documents
             if len(self.pending) >= BATCH_CHANGES:
-                # A large transaction: append what it has so far, and say how far.
+                # A large transaction: hand over what it has so far, and say how far.
                 self.pending_position = Position(self.txn_lsn, done=self.txn_seen)
-                await self.flush()
+                await self.hand_over(cuts, wait=len(self.pending) >= MAX_PENDING)
 
     def _ours(self, message: Any) -> TypeGuard[Insert | Update | Delete | Truncate]:
         if isinstance(message, Truncate):
             return self.table.oid in message.relations
         return isinstance(message, Insert | Update | Delete) and message.relation == self.table.oid
+
+    def _row_change(self, message: Insert | Update | Delete | Truncate) -> list[Document] | None:
+        """The documents of an insert, update or delete whose values are all there (the common
+        case, without a coroutine); None for the others."""
+        shape = self.shape
+        if shape is None or isinstance(message, Truncate):
+            return None
+        at = shape.id_at
+        if isinstance(message, Delete):
+            return [Document(str(message.old[at]), None)]
+        new = message.new
+        if UNCHANGED in new:
+            return None
+        document = self.follower._document(shape, new)
+        old = message.old if isinstance(message, Update) else None
+        if old is not None and old[at] is not None and str(old[at]) != document.docid:
+            return [Document(str(old[at]), None), document]  # the key changed
+        return [document]
 
     async def _documents(self, message: Insert | Update | Delete | Truncate) -> list[Document]:
         if isinstance(message, Truncate):
@@ -631,49 +765,25 @@ class _Applier:
                 "TRUNCATE of %s: deleting its %d documents", self.follower.qualified, len(live)
             )
             return [Document(docid, None) for docid in sorted(live)]
-        relation = self.relation
-        if relation is None:
+        shape = self.shape
+        if shape is None:
             raise PgOutputError("a change of the table before its Relation message")
-        columns = [c.name for c in relation.columns]
-        at = columns.index(self.table.id_column)
+        at = shape.id_at
         if isinstance(message, Delete):
             return [Document(str(message.old[at]), None)]
         new = message.new
         docid = str(new[at])
-        if any(v is UNCHANGED for v in new):
+        if UNCHANGED in new:
             # An update left out a large value it did not change: read the row as it is now
             # (a later change of it follows in the stream).
             current = await trio.to_thread.run_sync(self.follower._row, self.table, docid)
             documents = [] if current is None else [current]
         else:
-            documents = [self.follower._document(relation, new)]
+            documents = [self.follower._document(shape, new)]
         old = message.old if isinstance(message, Update) else None
         if old is not None and old[at] is not None and str(old[at]) != docid:
             documents.insert(0, Document(str(old[at]), None))  # the key changed
         return documents
-
-    async def flush(self) -> None:
-        """Append what is pending with its position (one synced batch); then confirm the whole
-        transactions it ends."""
-        if self.pending_position is None:
-            return
-        documents, position, confirm = self.pending, self.pending_position, self.pending_confirm
-        self.pending, self.pending_position, self.pending_confirm = [], None, None
-        await self.follower.appender.append(documents, position.encode())
-        self.position = position
-        progress = self.follower.progress
-        progress.changes += len(documents)
-        if position.done is None:
-            self.oldest_commit = None
-        progress.lag_s = (
-            0.0
-            if self.oldest_commit is None
-            else round((datetime.now(UTC) - self.oldest_commit).total_seconds(), 3)
-        )
-        if confirm is not None:
-            self.confirmed = max(self.confirmed, confirm)
-            self.cur.send_feedback(flush_lsn=self.confirmed)
-            progress.confirmed_lsn = format_lsn(self.confirmed)
 
 
 def stats_of(follower: TableFollower | None) -> Callable[[], dict[str, Any] | None]:
