@@ -220,8 +220,14 @@ def test_router_killed_in_a_large_transaction_resumes_exactly_once(db: str, tmp_
     router = start_router(tmp_path, daemon, db)
     wait_model(daemon, db, router)
     updated = len([i for i in range(30_000) if str(i).startswith("1")])
-    # Each change once in the source log: no insert appended twice after the restart.
+    # Each change once in the source log: no insert appended twice after the restart; and
+    # the daemon holds exactly those seqnos (a seqno sent twice would be refused, and counted).
     assert router.appended() == 30_000 + updated
+    deadline = time.monotonic() + WAIT_S
+    while daemon.stats()["persisted"]["seqno_sum"] != 30_000 + updated:
+        assert time.monotonic() < deadline, daemon.stats()["persisted"]
+        time.sleep(0.1)
+    assert "SEQNO_BACKWARDS" not in daemon.log()
     assert router.stats()["postgres"]["skipped"] > 0  # read again, recognised, skipped
     assert daemon.stop() == 0
     assert router.stop() == 0
