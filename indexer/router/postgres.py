@@ -51,6 +51,7 @@ log = logging.getLogger("indexer.router")
 
 BATCH_CHANGES = 5_000  # changes of one transaction before a cut inside it
 MAX_PENDING = 50_000  # changes read ahead of a busy appender, at most
+MIN_CUT = 10_000  # changes a cut waits for while the stream keeps coming (fewer, larger appends)
 COPY_ROWS = 5_000  # rows fetched per round trip of the initial copy
 FEEDBACK_S = 5.0  # how often the slot hears from the router when nothing else happens
 COALESCE_S = 0.005  # how long an append waits for more of the stream to join it
@@ -704,7 +705,7 @@ class _StreamReader:
             self.pending_confirm = message.end_lsn
             if len(self.pending) >= MAX_PENDING:
                 await self.hand_over(cuts, wait=True)
-            else:
+            elif len(self.pending) >= MIN_CUT:
                 await self.hand_over(cuts, wait=False)
         elif self._ours(message):
             # Changes are counted by message: one appends all its documents at once, so a
