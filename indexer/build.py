@@ -39,7 +39,7 @@ from indexer import protocol as p
 from indexer.storage import IndexStore, StoredIndex
 from indexer.streams import StreamRegistry
 from slab import SlabPool
-from workers.flush import BackIndexCache, IndexWriter
+from workers.flush import BackIndexCache, IndexWriter, entry_counts
 
 log = logging.getLogger("indexer.build")
 
@@ -208,11 +208,7 @@ class IndexBuild:
         self.covered = list(self.progress)
         self.state = "building"
         self.items = 0
-        self.entries = [0] * len(self.indexes)  # per index, counted in the cache
-        for keys in self.cache.entries.values():
-            for j, key in enumerate(keys):
-                if key:
-                    self.entries[j] += 1
+        self.entries = entry_counts(store, self.indexes, self.cache)  # per index
         self._moved = trio.Event()
         self._reported = False
         self.stopped = trio.Event()  # set when its writer task has ended (catalog._run_build)

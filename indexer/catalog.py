@@ -207,10 +207,7 @@ class IndexCatalog:
         def apply() -> None:
             stored = self.store.create_index(definition)
             created.append(stored)
-            self.indexes.append(stored)
-            self.columns.append(definition)
-            self.cache.add_index()
-            self.timekeeper.entry_counts.append(0)
+            self._add_empty(stored)
 
         await self.change_pipeline(apply)
         log.info(
@@ -220,6 +217,14 @@ class IndexCatalog:
             "" if definition.where is None else f" WHERE {definition.where}",
         )
         return created[0]
+
+    def _add_empty(self, index: StoredIndex) -> None:
+        """A new active index the stream has put nothing in yet: the last column of every
+        record, of the back-index cache and of the entry counts (with the pipeline stopped)."""
+        self.indexes.append(index)
+        self.columns.append(index.definition)
+        self.cache.add_index()
+        self.timekeeper.entry_counts.append(0)
 
     def _create_deferred(self, definition: IndexDefinition) -> StoredIndex:
         """Store a deferred index: no stream carries it, so the pipeline is left alone."""
@@ -252,10 +257,7 @@ class IndexCatalog:
             if sum(self.reader.registry.received) == 0:
                 stored = self.store.set_states(names, "active")
                 for index in stored:
-                    self.indexes.append(index)
-                    self.columns.append(index.definition)
-                    self.cache.add_index()
-                    self.timekeeper.entry_counts.append(0)
+                    self._add_empty(index)
             else:
                 stored = self.store.set_states(names, "building")
                 self.add_build(stored)

@@ -351,8 +351,9 @@ def entry_batches(
 
     The entries of a batch are split with array operations, not row by row: every entry ends
     with its docid and the docid's length (`keys.entry_tail`), so the key's bytes are found
-    without decoding them, and only distinct keys are decoded. `decode`: only that many
-    leading key values (an aggregate's groups and the values it reads).
+    without decoding them, and only distinct keys are decoded. `decode` (with `docids`
+    off): only that many leading key values, once per run of entries that share them (an
+    aggregate's groups and the values it reads; `_runs`).
     """
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
@@ -360,24 +361,20 @@ def entry_batches(
     if offset:
         entries = islice(entries, offset, None)
     desc = index.definition.desc
-    prefix = None if decode is None or decode >= count else decode
+    if decode is not None and docids:
+        raise ValueError("entry_batches: decode= gives runs without docids (docids=False)")
     while entries_of_batch := list(islice(entries, chunk)):
-        yield _split_batch(entries_of_batch, cut, count, docids, desc, prefix)
+        if decode is not None:
+            yield _runs(entries_of_batch, cut, min(decode, count), desc)
+        else:
+            yield _split_batch(entries_of_batch, cut, count, docids, desc)
 
 
 def _split_batch(
-    entries: list[bytes],
-    cut: int,
-    count: int,
-    docids: bool = True,
-    desc: Sequence[bool] = (),
-    prefix: int | None = None,
+    entries: list[bytes], cut: int, count: int, docids: bool = True, desc: Sequence[bool] = ()
 ) -> EntryBatch:
-    """A batch of entries split into docids (`docids`: else left empty, for aggregates) and
-    distinct keys with each row's code (`desc`: the key positions stored descending; `prefix`:
-    decode only that many leading values of each key)."""
-    if prefix is not None and not docids:
-        return _runs(entries, cut, prefix, desc)
+    """A batch of entries split into docids (`docids`: else left empty) and distinct keys with
+    each row's code (`desc`: the key positions stored descending)."""
     n = len(entries)
     whole = pa.array(entries, pa.binary())
     _, offsets_buffer, data_buffer = whole.buffers()
@@ -391,25 +388,11 @@ def _split_batch(
         raise KeyEncodingError("a main-index entry is shorter than its docid length says")
     encoded = pc.dictionary_encode(_gather(pa.binary(), key_starts, id_starts - key_starts, data))
     keys = []
-    if prefix is not None:
-        # Distinct keys come in index order; one that starts with the previous key's leading
-        # values' bytes has those values (encoded values are self-delimiting): most of a
-        # group's keys are not decoded at all.
-        head = b"\xff"  # no key starts with it
-        values: list[Any] = []
-        for key in encoded.dictionary.to_pylist():
-            if not key.startswith(head):
-                values, end = decode_key(key, prefix, 0, desc)
-                head = key[:end]
-            keys.append(values)
-    else:
-        for key in encoded.dictionary.to_pylist():
-            values, end = decode_key(key, count, 0, desc)
-            if end != len(key):
-                raise KeyEncodingError(
-                    f"{len(key) - end} stray bytes after a key of {count} values"
-                )
-            keys.append(values)
+    for key in encoded.dictionary.to_pylist():
+        values, end = decode_key(key, count, 0, desc)
+        if end != len(key):
+            raise KeyEncodingError(f"{len(key) - end} stray bytes after a key of {count} values")
+        keys.append(values)
     if not docids:
         return EntryBatch(pa.array([], pa.string()), encoded.indices, keys)
     ids = _gather(pa.string(), id_starts, id_lengths, data)

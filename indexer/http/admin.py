@@ -40,12 +40,15 @@ class AdminRoutes(StatsRoutes):
             )
         except DefinitionError as exc:
             raise ApiError(400, str(exc)) from None
-        name = definition.name
         catalog = self._catalog()
         stored = await self._catalog_call(catalog.create(definition, defer))
+        await _json(send, 201, self._new_entry(catalog, stored))
+
+    def _new_entry(self, catalog: IndexCatalog, stored: StoredIndex) -> dict[str, Any]:
+        """The /indexes entry of an index just created or built: its build's while it has one."""
+        name = stored.definition.name
         build = catalog.builds.get(name)
-        entry = self._index_entry(stored, 0) if build is None else self._build_entry(build, name)
-        await _json(send, 201, entry)
+        return self._index_entry(stored, 0) if build is None else self._build_entry(build, name)
 
     def _index(self, name: str, query: dict[str, str] | None = None) -> StoredIndex:
         for index in self.view.indexes:
@@ -90,14 +93,7 @@ class AdminRoutes(StatsRoutes):
                 raise ApiError(400, f"indexes: {problem}")
         catalog = self._catalog()
         built = await self._catalog_call(catalog.build(names))
-        entries = []
-        for stored in built:
-            build = catalog.builds.get(stored.definition.name)
-            entries.append(
-                self._index_entry(stored, 0)
-                if build is None
-                else self._build_entry(build, stored.definition.name)
-            )
+        entries = [self._new_entry(catalog, stored) for stored in built]
         status = 200 if all(e["state"] == "active" for e in entries) else 202
         await _json(send, status, {"indexes": entries})
 

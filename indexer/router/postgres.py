@@ -159,10 +159,6 @@ class Table:
     id_column: str
     doc_column: str | None
 
-    @property
-    def id_index(self) -> int:
-        return [c for c, _ in self.columns].index(self.id_column)
-
 
 def _connect(dsn: str, replication: bool = False) -> Any:
     import psycopg2
@@ -307,7 +303,6 @@ class TableFollower:
         self.qualified = f"{schema}.{name}"
         self.progress = PostgresProgress(self.qualified, options.slot_name)
         self.table: Table | None = None
-        self.relation: Relation | None = None
         self._stats_conn: Any = None
 
     # -- the parts that block, run in threads
@@ -400,31 +395,35 @@ class TableFollower:
         """Follow the table until cancelled; reconnect when the server goes away. A table that
         cannot be followed raises PostgresError (one line)."""
         failed: list[PostgresError] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_lag)
-            while True:
-                try:
-                    await self._follow()
-                except PostgresUnreachable as exc:
-                    if self.progress.state == "starting":
-                        failed.append(exc)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_lag)
+                while True:
+                    try:
+                        await self._follow()
+                    except PostgresUnreachable as exc:
+                        if self.progress.state == "starting":
+                            failed.append(exc)
+                            nursery.cancel_scope.cancel()
+                            break
+                        self.progress.state = "reconnecting"
+                        self.progress.error = str(exc)
+                        log.warning("%s; connecting again in %g s", exc, RETRY_S)
+                        await trio.sleep(RETRY_S)
+                    except PostgresError as exc:
+                        failed.append(exc)  # raised below: out of the nursery, not in a group
                         nursery.cancel_scope.cancel()
                         break
-                    self.progress.state = "reconnecting"
-                    self.progress.error = str(exc)
-                    log.warning("%s; connecting again in %g s", exc, RETRY_S)
-                    await trio.sleep(RETRY_S)
-                except PostgresError as exc:
-                    failed.append(exc)  # raised below: out of the nursery, not in a group
-                    nursery.cancel_scope.cancel()
-                    break
-                except Exception as exc:  # the server went away, a network error
-                    self.progress.state = "reconnecting"
-                    self.progress.error = _one_line(exc)
-                    log.warning(
-                        "PostgreSQL: %s; connecting again in %g s", self.progress.error, RETRY_S
-                    )
-                    await trio.sleep(RETRY_S)
+                    except Exception as exc:  # the server went away, a network error
+                        self.progress.state = "reconnecting"
+                        self.progress.error = _one_line(exc)
+                        log.warning(
+                            "PostgreSQL: %s; connecting again in %g s", self.progress.error, RETRY_S
+                        )
+                        await trio.sleep(RETRY_S)
+        finally:
+            if self._stats_conn is not None:
+                self._stats_conn.close()
         if failed:
             raise failed[0]
 
@@ -597,7 +596,6 @@ class _StreamReader:
     def __init__(self, follower: TableFollower, table: Table, position: Position):
         self.follower = follower
         self.table = table
-        self.relation: Relation | None = None
         self.shape: _Shape | None = None  # of the table's last Relation message
         self.held = position  # what the log held when streaming started: skipped
         self.pending: list[Document] = []
@@ -691,7 +689,6 @@ class _StreamReader:
                 self.txn_skip = 0
         elif isinstance(message, Relation):
             if message.oid == self.table.oid:
-                self.relation = message
                 self.shape = _shape([(c.name, c.type_oid) for c in message.columns], self.table)
         elif isinstance(message, Commit):
             if self.txn_skip != -1 and self.txn_seen > self.txn_skip:
@@ -732,9 +729,12 @@ class _StreamReader:
             return self.table.oid in message.relations
         return isinstance(message, Insert | Update | Delete) and message.relation == self.table.oid
 
-    def _row_change(self, message: Insert | Update | Delete | Truncate) -> list[Document] | None:
-        """The documents of an insert, update or delete whose values are all there (the common
-        case, without a coroutine); None for the others."""
+    def _row_change(
+        self, message: Insert | Update | Delete | Truncate, current: list[Document] | None = None
+    ) -> list[Document] | None:
+        """The documents of an insert, update or delete, without a coroutine (the common case);
+        None for a TRUNCATE, or for an update that left a value out until `current` (the row
+        as read again, `_documents`) is given."""
         shape = self.shape
         if shape is None or isinstance(message, Truncate):
             return None
@@ -742,15 +742,18 @@ class _StreamReader:
         if isinstance(message, Delete):
             return [Document(str(message.old[at]), None)]
         new = message.new
-        if UNCHANGED in new:
-            return None
-        document = self.follower._document(shape, new)
+        if current is None:
+            if UNCHANGED in new:
+                return None
+            current = [self.follower._document(shape, new)]
         old = message.old if isinstance(message, Update) else None
-        if old is not None and old[at] is not None and str(old[at]) != document.docid:
-            return [Document(str(old[at]), None), document]  # the key changed
-        return [document]
+        if old is not None and old[at] is not None and str(old[at]) != str(new[at]):
+            return [Document(str(old[at]), None), *current]  # the key changed
+        return current
 
     async def _documents(self, message: Insert | Update | Delete | Truncate) -> list[Document]:
+        """The documents of a TRUNCATE, or of an update that left a large (TOASTed) value out:
+        the row is read as it is now (a later change of it follows in the stream)."""
         if isinstance(message, Truncate):
             source = self.follower.appender.source
             survivors = await trio.to_thread.run_sync(source.surviving_documents)
@@ -766,27 +769,11 @@ class _StreamReader:
                 "TRUNCATE of %s: deleting its %d documents", self.follower.qualified, len(live)
             )
             return [Document(docid, None) for docid in sorted(live)]
-        shape = self.shape
-        if shape is None:
+        if self.shape is None:
             raise PgOutputError("a change of the table before its Relation message")
-        at = shape.id_at
-        if isinstance(message, Delete):
-            return [Document(str(message.old[at]), None)]
-        new = message.new
-        docid = str(new[at])
-        if UNCHANGED in new:
-            # An update left out a large value it did not change: read the row as it is now
-            # (a later change of it follows in the stream).
-            current = await trio.to_thread.run_sync(self.follower._row, self.table, docid)
-            documents = [] if current is None else [current]
-        else:
-            documents = [self.follower._document(shape, new)]
-        old = message.old if isinstance(message, Update) else None
-        if old is not None and old[at] is not None and str(old[at]) != docid:
-            documents.insert(0, Document(str(old[at]), None))  # the key changed
+        assert not isinstance(message, Delete)
+        docid = str(message.new[self.shape.id_at])
+        row = await trio.to_thread.run_sync(self.follower._row, self.table, docid)
+        documents = self._row_change(message, [] if row is None else [row])
+        assert documents is not None
         return documents
-
-
-def stats_of(follower: TableFollower | None) -> Callable[[], dict[str, Any] | None]:
-    """`GET /stats`'s postgres section."""
-    return lambda: None if follower is None else follower.progress.as_json()

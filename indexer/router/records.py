@@ -76,16 +76,15 @@ class RecordEncoder:
         self.partial = any(where is not None for where in self.wheres)
         # Indexes on plain field paths take the fast path below; an expression or array key
         # (indexer/expressions.py) is evaluated by its index's extractor.
+        plain = [all(PLAIN_PATH.match(k) for k in index.keys) for index in indexes]
         try:
             self.extractors: list[Callable[[object, str], bytes]] = [
-                _path_key(index.keys)
-                if all(PLAIN_PATH.match(k) for k in index.keys)
-                else KeyExtractor(index.keys)
-                for index in indexes
+                _path_key(index.keys) if paths else KeyExtractor(index.keys)
+                for index, paths in zip(indexes, plain, strict=True)
             ]
         except ExpressionError as exc:
             raise FeedError(f"the indexer sent a bad index key: {exc}") from None
-        self.plain = all(all(PLAIN_PATH.match(k) for k in index.keys) for index in indexes)
+        self.plain = all(plain)
         self.left_out = 0
         self._reported: set[str] = set()
         # Each distinct field path is read and encoded once per document, whatever number of
