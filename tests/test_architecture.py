@@ -82,6 +82,7 @@ def test_no_module_imports_itself_back_through_others() -> None:
         "indexer.where",
         "indexer.expressions",
         "indexer.router.pgoutput",
+        "indexer.router.pgtypes",
         "indexer.router.pipe",
         "indexer.router.shard_pipe",
         "indexer.router.bulk",

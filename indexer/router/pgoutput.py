@@ -1,24 +1,18 @@
-"""PostgreSQL's logical replication messages (the built-in `pgoutput` plugin, protocol 1) and a
-table's rows as JSON documents (sans-IO, pure).
+"""PostgreSQL's logical replication messages (the built-in `pgoutput` plugin, protocol 1)
+(sans-IO, pure).
 
 A replication stream carries, per transaction, Begin, then Relation messages describing each
 table before its first change, Insert, Update, Delete and Truncate, then Commit. Column values
-come in PostgreSQL's text form; `row_document` turns a row into a JSON object: JSON and JSONB
-columns nested, numbers as numbers, booleans as booleans, timestamps as ISO-8601 strings, and
-every other type as its text.
+come in their types' text output form (`indexer.router.pgtypes` turns them into JSON), NULL, or
+UNCHANGED: a TOASTed value an update did not change, which pgoutput leaves out.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeAlias, final
-
-import orjson
 
 __all__ = [
     "UNCHANGED",
@@ -32,12 +26,9 @@ __all__ = [
     "Relation",
     "Truncate",
     "Update",
-    "convert_value",
-    "converter",
     "decode_message",
     "format_lsn",
     "parse_lsn",
-    "row_document",
 ]
 
 POSTGRES_EPOCH: Final = datetime(2000, 1, 1, tzinfo=UTC)
@@ -290,147 +281,3 @@ def decode_message(payload: bytes) -> Message:
     if kind in "OYM":
         return Other(kind)
     raise PgOutputError(f"unknown message kind {kind!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Rows as documents
-
-_BOOL: Final = 16
-_INTEGERS: Final = frozenset({20, 21, 23, 26})  # int8, int2, int4, oid
-_FLOATS: Final = frozenset({700, 701})  # float4, float8
-_NUMERIC: Final = 1700
-_JSON: Final = frozenset({114, 3802})  # json, jsonb
-_TIMESTAMP: Final = 1114
-_TIMESTAMPTZ: Final = 1184
-_DATE: Final = 1082
-# Arrays of the types above: element type by array type.
-_ARRAYS: Final = {
-    1000: _BOOL, 1005: 21, 1007: 23, 1016: 20, 1021: 700, 1022: 701, 1231: _NUMERIC,
-    1009: 25, 1015: 25, 1014: 25, 2951: 25, 1115: _TIMESTAMP, 1185: _TIMESTAMPTZ, 1182: _DATE,
-}  # fmt: skip
-
-
-def _number(text: str) -> int | float | None:
-    """A numeric's text as a JSON number: an int when integral and written so, else a float;
-    NaN and the infinities have no JSON form: null."""
-    if "." not in text and "e" not in text.lower() and text.lstrip("-").isdigit():
-        return int(text)
-    value = float(text)
-    return value if math.isfinite(value) else None
-
-
-def _timestamp(text: str, zoned: bool) -> str:
-    """`2024-05-01 10:00:00.5+02` as ISO-8601: `2024-05-01T10:00:00.5+02:00`."""
-    if text in ("infinity", "-infinity"):
-        return text
-    date, _, rest = text.partition(" ")
-    if not zoned or not rest:
-        return f"{date}T{rest}" if rest else date
-    for sign in ("+", "-"):
-        at = rest.rfind(sign)
-        if at > 0:
-            clock, offset = rest[:at], rest[at + 1 :]
-            parts = [*offset.split(":"), "00"]
-            return f"{date}T{clock}{sign}{parts[0].zfill(2)}:{parts[1].zfill(2)}"
-    return f"{date}T{rest}"
-
-
-def _json(text: str) -> Any:
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:  # what orjson does not take (integers beyond 64 bits)
-        return json.loads(text)
-
-
-def _text(text: str) -> str:
-    return text
-
-
-def converter(type_oid: int) -> Callable[[str], Any]:
-    """The function turning a column of this type's text form into a JSON value (chosen once
-    per column, not per value)."""
-    if type_oid in _JSON:
-        return _json
-    if type_oid in _INTEGERS:
-        return int
-    if type_oid in _FLOATS or type_oid == _NUMERIC:
-        return _number
-    if type_oid in (_BOOL, _TIMESTAMPTZ, _TIMESTAMP) or type_oid in _ARRAYS:
-        return lambda text: convert_value(type_oid, text)
-    return _text
-
-
-def convert_value(type_oid: int, text: str) -> Any:
-    """A column's text form as a JSON value, by the column's type."""
-    if type_oid in _JSON:
-        try:
-            return orjson.loads(text)
-        except orjson.JSONDecodeError:  # what orjson does not take (integers beyond 64 bits)
-            return json.loads(text)
-    if type_oid in _INTEGERS:
-        return int(text)
-    if type_oid in _FLOATS or type_oid == _NUMERIC:
-        return _number(text)
-    if type_oid == _BOOL:
-        return text == "t"
-    if type_oid == _TIMESTAMPTZ:
-        return _timestamp(text, True)
-    if type_oid == _TIMESTAMP:
-        return _timestamp(text, False)
-    element = _ARRAYS.get(type_oid)
-    if element is not None:
-        return [None if item is None else convert_value(element, item) for item in _array(text)]
-    return text
-
-
-def _array(text: str) -> list[str | None]:
-    """The elements of a one-dimensional array literal (`{a,"b c",NULL}`), as text."""
-    if not (text.startswith("{") and text.endswith("}")):
-        raise PgOutputError(f"not an array literal: {text[:40]!r}")
-    body = text[1:-1]
-    out: list[str | None] = []
-    i = 0
-    while i < len(body):
-        if body[i] == '"':
-            i += 1
-            chars = []
-            while body[i] != '"':
-                if body[i] == "\\":
-                    i += 1
-                chars.append(body[i])
-                i += 1
-            out.append("".join(chars))
-            i += 1
-        else:
-            end = body.find(",", i)
-            end = len(body) if end < 0 else end
-            item = body[i:end]
-            if item.startswith("{"):
-                raise PgOutputError("arrays of more than one dimension are not supported")
-            out.append(None if item == "NULL" else item)
-            i = end
-        i += 1  # the comma
-    return out
-
-
-def row_document(
-    relation: Relation, values: TupleData, previous: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A row as a JSON object of its columns; an UNCHANGED value is taken from `previous` (the
-    document's last version), and left out without one."""
-    if len(values) != len(relation.columns):
-        raise PgOutputError(
-            f"a row of {len(values)} values for {relation.qualified}, which has "
-            f"{len(relation.columns)} columns"
-        )
-    out: dict[str, Any] = {}
-    for column, value in zip(relation.columns, values, strict=True):
-        if value is UNCHANGED:
-            if previous is not None and column.name in previous:
-                out[column.name] = previous[column.name]
-        elif value is None:
-            out[column.name] = None
-        else:
-            assert isinstance(value, str)
-            out[column.name] = convert_value(column.type_oid, value)
-    return out

@@ -41,11 +41,12 @@ from indexer.router.pgoutput import (
     Relation,
     Truncate,
     Update,
-    converter,
+    Value,
     decode_message,
     format_lsn,
     parse_lsn,
 )
+from indexer.router.pgtypes import SESSION_OPTIONS, TYPE_QUERY, PgTypeError, TypeCatalog, converter
 
 log = logging.getLogger("indexer.router")
 
@@ -58,6 +59,7 @@ COALESCE_S = 0.005  # how long an append waits for more of the stream to join it
 YIELD_EVERY = 256  # messages read between two looks at the other tasks
 STATS_S = 2.0  # how often the slot's confirmed LSN and the server's WAL end are read
 RETRY_S = 2.0  # before connecting again after the server went away
+VISIBLE_WAIT_S = 60.0  # at most, for a committed change to be visible to a read of its row
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -109,6 +111,13 @@ class PostgresProgress:
     lag_s: float = 0.0  # since the commit of the oldest change read and not yet appended
     changes_per_s: float = 0.0
     truncates: int = 0
+    truncated_documents: int = 0  # live documents the TRUNCATEs deleted
+    # Updates that left a TOASTed value out: the value taken from the old row (REPLICA IDENTITY
+    # FULL), from the row's latest version in the log, or read from the row once visible.
+    unchanged_from_old_row: int = 0
+    unchanged_from_log: int = 0
+    unchanged_rows_read: int = 0
+    refused_rows: int = 0  # rows no document can hold (a value too deep): deleted, logged
     error: str | None = None
     _window: list[tuple[float, int]] = field(default_factory=list, repr=False)
 
@@ -156,20 +165,28 @@ class Table:
 
     oid: int
     columns: tuple[tuple[str, int], ...]  # (name, type oid) in order
+    outputs: tuple[str, ...]  # each column's output function (what pgoutput prints with)
     id_column: str
     doc_column: str | None
 
 
 def _connect(dsn: str, replication: bool = False) -> Any:
+    """A connection with the session settings that fix every value's text form (the copy, the
+    stream and row reads must print values alike), after any `options` of the DSN."""
     import psycopg2
+    import psycopg2.extensions
     import psycopg2.extras
 
     try:
+        given = psycopg2.extensions.parse_dsn(dsn).get("options", "")
+        options = f"{given} {SESSION_OPTIONS}".strip()
         if replication:
             return psycopg2.connect(
-                dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection
+                dsn,
+                connection_factory=psycopg2.extras.LogicalReplicationConnection,
+                options=options,
             )
-        conn = psycopg2.connect(dsn)
+        conn = psycopg2.connect(dsn, options=options)
         conn.autocommit = True
         return conn
     except psycopg2.Error as exc:
@@ -180,8 +197,20 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def describe_table(conn: Any, options: PostgresOptions) -> Table:
-    """The table's columns, id column and replica identity, checked (blocking)."""
+def _query(conn: Any) -> Callable[[list[int]], list[tuple[Any, ...]]]:
+    """TYPE_QUERY on `conn`, for TypeCatalog.resolve (blocking)."""
+
+    def run(oids: list[int]) -> list[tuple[Any, ...]]:
+        with conn.cursor() as cur:
+            cur.execute(TYPE_QUERY, (oids,))
+            return list(cur.fetchall())
+
+    return run
+
+
+def describe_table(conn: Any, options: PostgresOptions, types: TypeCatalog) -> Table:
+    """The table's columns, id column and replica identity, checked; the columns' types read
+    into `types` (blocking)."""
     schema, name = options.schema_table
     qualified = f"{schema}.{name}"
     with conn.cursor() as cur:
@@ -196,11 +225,14 @@ def describe_table(conn: Any, options: PostgresOptions) -> Table:
             raise PostgresError(f"--table: no table {qualified} in the database")
         oid, identity = int(found[0]), str(found[1])
         cur.execute(
-            "SELECT attname, atttypid FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
-            "AND NOT attisdropped ORDER BY attnum",
+            "SELECT a.attname, a.atttypid, t.typoutput::regproc::text FROM pg_attribute a "
+            "JOIN pg_type t ON t.oid = a.atttypid WHERE a.attrelid = %s AND a.attnum > 0 "
+            "AND NOT a.attisdropped ORDER BY a.attnum",
             (oid,),
         )
-        columns = tuple((str(c), int(t)) for c, t in cur.fetchall())
+        described = cur.fetchall()
+        columns = tuple((str(c), int(t)) for c, t, _ in described)
+        outputs = tuple(str(output) for _, _, output in described)
         cur.execute(
             "SELECT a.attname FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid "
             "AND a.attnum = ANY(i.indkey) WHERE i.indrelid = %s AND i.indisprimary",
@@ -232,31 +264,41 @@ def describe_table(conn: Any, options: PostgresOptions) -> Table:
         )
     if options.doc_column is not None and options.doc_column not in names:
         raise PostgresError(f"--doc-column: table {qualified} has no column {options.doc_column!r}")
-    return Table(oid, columns, id_column, options.doc_column)
+    types.resolve([t for _, t in columns], _query(conn))
+    return Table(oid, columns, outputs, id_column, options.doc_column)
 
 
 @dataclass(frozen=True)
 class _Shape:
     """How a row's values become a document: each column's name and converter (chosen once per
-    table or Relation message), and where the id and the --doc-column are."""
+    table or Relation message), where the id and the --doc-column are, and whether an update's
+    old row is whole (REPLICA IDENTITY FULL)."""
 
     names: tuple[str, ...]
     converters: tuple[Callable[[str], Any], ...]
     id_at: int
     doc_at: int | None
+    full_old_row: bool = False
 
 
-def _shape(columns: Sequence[tuple[str, int]], table: Table) -> _Shape:
+def _shape(
+    columns: Sequence[tuple[str, int]], table: Table, types: TypeCatalog, identity: str = "d"
+) -> _Shape:
     names = tuple(name for name, _ in columns)
     if table.id_column not in names:
         raise PgOutputError(f"the table's columns no longer include {table.id_column}")
     doc_at = None if table.doc_column is None else names.index(table.doc_column)
     return _Shape(
         names,
-        tuple(converter(oid) for _, oid in columns),
+        tuple(converter(types.get(oid)) for _, oid in columns),
         names.index(table.id_column),
         doc_at,
+        identity == "f",
     )
+
+
+def _identifier(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 def _with_line(docid: str, body: dict[str, Any]) -> Document:
@@ -303,7 +345,9 @@ class TableFollower:
         self.qualified = f"{schema}.{name}"
         self.progress = PostgresProgress(self.qualified, options.slot_name)
         self.table: Table | None = None
+        self.types = TypeCatalog()
         self._stats_conn: Any = None
+        self._rows_conn: Any = None  # reads rows and types (not the lag's: it may wait)
 
     # -- the parts that block, run in threads
 
@@ -312,7 +356,7 @@ class TableFollower:
         publication."""
         conn = _connect(self.options.dsn)
         try:
-            table = describe_table(conn, self.options)
+            table = describe_table(conn, self.options, self.types)
             slot = self.options.slot_name
             with conn.cursor() as cur:
                 cur.execute("SHOW wal_level")
@@ -340,37 +384,106 @@ class TableFollower:
         return f'"{schema}"."{name}"'
 
     def _select(self, table: Table) -> str:
-        """Every column as text (converted like a streamed change's values)."""
-        return ", ".join(f'"{c}"::text' for c, _ in table.columns)
+        """Every column in its text output form, as pgoutput prints it: through the type's own
+        output function (a cast to text differs: `true` for `t`, char(n) without its padding)."""
+        return ", ".join(
+            f"{output}({_identifier(name)})::text"
+            for (name, _), output in zip(table.columns, table.outputs, strict=True)
+        )
 
-    def _document(self, shape: _Shape, values: Sequence[Any]) -> Document:
-        """A row (its values' text forms) as a document: all its columns, or --doc-column."""
+    def _document(
+        self, shape: _Shape, values: Sequence[Value], previous: dict[str, Any] | None = None
+    ) -> Document:
+        """A row (its values' text forms) as a document: all its columns, or --doc-column; an
+        UNCHANGED value is the `previous` version's (`_fills` said it holds it). A row no
+        document can hold (a JSON value nested too deep) is a delete, logged."""
         docid = values[shape.id_at]
-        if docid is None:
-            raise PgOutputError(f"a row of {self.qualified} with a NULL id")
-        if shape.doc_at is None:
-            body = {
-                name: None if value is None else convert(value)
-                for name, convert, value in zip(shape.names, shape.converters, values, strict=True)
-            }
-            return _with_line(str(docid), body)
-        text = values[shape.doc_at]
-        document = {} if text is None else shape.converters[shape.doc_at](text)
+        if not isinstance(docid, str):
+            raise PgOutputError(f"a row of {self.qualified} without its id")
+        document: Any
+        try:
+            if shape.doc_at is not None:
+                text = values[shape.doc_at]
+                if text is UNCHANGED:
+                    document = previous
+                else:
+                    document = {} if text is None else shape.converters[shape.doc_at](text)  # type: ignore[arg-type]
+            elif previous is None:
+                body = {
+                    name: None if value is None else convert(value)  # type: ignore[arg-type]
+                    for name, convert, value in zip(
+                        shape.names, shape.converters, values, strict=True
+                    )
+                }
+                return _with_line(docid, body)
+            else:
+                document = {
+                    name: None
+                    if value is None
+                    else previous[name]
+                    if value is UNCHANGED
+                    else convert(value)  # type: ignore[arg-type]
+                    for name, convert, value in zip(
+                        shape.names, shape.converters, values, strict=True
+                    )
+                }
+        except PgTypeError as exc:
+            self.progress.refused_rows += 1
+            log.error("row %r of %s left out of the indexes: %s", docid, self.qualified, exc)
+            return Document(docid, None)
         if not isinstance(document, dict):
             raise PgOutputError(f"{self.qualified}: the document of {docid} is not a JSON object")
-        return _with_line(str(docid), document)
+        return _with_line(docid, document)
 
-    def _row(self, table: Table, docid: str) -> Document | None:
-        """The row as the table holds it now (an update left a TOASTed value out)."""
-        conn = self._stats_connection()
+    def _row(self, table: Table, docid: str, xid: int) -> Document | None:
+        """The row as a snapshot that sees transaction `xid` holds it (blocking): an update
+        left a TOASTed value out and the log holds no version of the row to take it from.
+
+        A commit reaches the stream before every session sees it, so the read waits until its
+        snapshot has `xid` (32 bits, as Begin gives it) committed: what it reads is this change
+        or a later one (which follows in the stream)."""
+        conn = self._rows_connection()
+        deadline = time.monotonic() + VISIBLE_WAIT_S
         with conn.cursor() as cur:
-            cur.execute(
-                f"SELECT {self._select(table)} FROM {self._quoted()} "
-                f'WHERE "{table.id_column}"::text = %s',
-                (docid,),
-            )
-            found = cur.fetchone()
-        return None if found is None else self._document(_shape(table.columns, table), found)
+            while True:
+                cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                cur.execute(
+                    "SELECT txid_visible_in_snapshot(CASE WHEN x >= txid_snapshot_xmax(s) "
+                    "THEN x - 4294967296 ELSE x END, s) FROM (SELECT s, "
+                    "(txid_snapshot_xmax(s) >> 32 << 32) + %s AS x FROM "
+                    "(SELECT txid_current_snapshot() AS s) a) b",
+                    (xid,),
+                )
+                (visible,) = cur.fetchone()
+                if visible:
+                    break
+                cur.execute("ROLLBACK")
+                if time.monotonic() > deadline:
+                    raise PostgresError(
+                        f"transaction {xid} of {self.qualified} never became visible"
+                    )
+                time.sleep(0.005)
+            try:
+                cur.execute(
+                    f"SELECT {self._select(table)} FROM {self._quoted()} "
+                    f"WHERE {_identifier(table.id_column)}::text = %s",
+                    (docid,),
+                )
+                found = cur.fetchone()
+            finally:
+                cur.execute("ROLLBACK")
+        if found is None:
+            return None
+        return self._document(_shape(table.columns, table, self.types), found)
+
+    def _rows_connection(self) -> Any:
+        if self._rows_conn is None or self._rows_conn.closed:
+            self._rows_conn = _connect(self.options.dsn)
+        return self._rows_conn
+
+    def _resolve_types(self, oids: list[int]) -> None:
+        """Read the catalog rows of types a Relation message names for the first time."""
+        self.types.resolve(oids, _query(self._rows_connection()))
 
     def _stats_connection(self) -> Any:
         if self._stats_conn is None or self._stats_conn.closed:
@@ -422,8 +535,9 @@ class TableFollower:
                         )
                         await trio.sleep(RETRY_S)
         finally:
-            if self._stats_conn is not None:
-                self._stats_conn.close()
+            for conn in (self._stats_conn, self._rows_conn):
+                if conn is not None:
+                    conn.close()
         if failed:
             raise failed[0]
 
@@ -444,6 +558,11 @@ class TableFollower:
         conn, table, exists = await trio.to_thread.run_sync(self._prepare)
         conn.close()
         self.table = table
+        source = self.appender.source
+        async with self.appender.lock:  # no other input appends while the log is indexed
+            indexed = await trio.to_thread.run_sync(source.track_latest_versions)
+        if indexed:
+            log.info("indexed the latest version of %d documents of the log", indexed)
         position = Position.decode(self.appender.source.input_position)
         stream = await trio.to_thread.run_sync(_connect, self.options.dsn, True)
         try:
@@ -501,7 +620,7 @@ class TableFollower:
                 return named
 
             rows = await trio.to_thread.run_sync(begin)
-            shape = _shape(table.columns, table)
+            shape = _shape(table.columns, table, self.types)
             copied = 0
             while True:
                 batch = await trio.to_thread.run_sync(rows.fetchmany, COPY_ROWS)
@@ -574,7 +693,7 @@ class TableFollower:
                 confirmed = cut.confirm
                 cur.send_feedback(flush_lsn=confirmed, force=True)
                 progress.confirmed_lsn = format_lsn(confirmed)
-            reader.appended(confirmed)
+            reader.appended(confirmed, cut.documents)
 
 
 @dataclass
@@ -603,18 +722,26 @@ class _StreamReader:
         self.pending_confirm: int | None = None
         self.oldest_commit: datetime | None = None
         self.confirmed = position.lsn  # what the appender confirmed so far
+        # The latest version of each document read and not yet in the log (pending, or in a
+        # cut being appended): where an unchanged TOASTed value is taken from first.
+        self.unsynced: dict[str, Document] = {}
         self.in_flight = 0  # cuts handed over and not appended yet
         self._appended = trio.Event()
         self.idle = False  # the stream had nothing more when the last cut was handed over
         # The transaction being read: its commit LSN and time, its changes so far, and how many
         # of them the log already holds (-1: all).
         self.txn_lsn = 0
+        self.txn_xid = 0
         self.txn_time: datetime | None = None
         self.txn_seen = 0
         self.txn_skip = 0
 
-    def appended(self, confirmed: int) -> None:
-        """The appender finished a cut."""
+    def appended(self, confirmed: int, documents: list[Document]) -> None:
+        """The appender finished a cut: its documents are the log's now."""
+        unsynced = self.unsynced
+        for document in documents:
+            if unsynced.get(document.docid) is document:
+                del unsynced[document.docid]
         self.in_flight -= 1
         self.confirmed = confirmed
         self._appended.set()
@@ -678,6 +805,7 @@ class _StreamReader:
         message = decode_message(payload)
         if isinstance(message, Begin):
             self.txn_lsn, self.txn_time, self.txn_seen = message.final_lsn, message.commit_time, 0
+            self.txn_xid = message.xid
             held = self.held
             if message.final_lsn < held.lsn or (
                 message.final_lsn == held.lsn and held.done is None
@@ -689,7 +817,12 @@ class _StreamReader:
                 self.txn_skip = 0
         elif isinstance(message, Relation):
             if message.oid == self.table.oid:
-                self.shape = _shape([(c.name, c.type_oid) for c in message.columns], self.table)
+                columns = [(c.name, c.type_oid) for c in message.columns]
+                types = self.follower.types
+                missing = types.missing(oid for _, oid in columns)
+                if missing:  # a column of a type not seen yet (ALTER TABLE)
+                    await trio.to_thread.run_sync(self.follower._resolve_types, missing)
+                self.shape = _shape(columns, self.table, types, message.replica_identity)
         elif isinstance(message, Commit):
             if self.txn_skip != -1 and self.txn_seen > self.txn_skip:
                 # Some of it is new: its position is recorded whole even when a large
@@ -716,9 +849,12 @@ class _StreamReader:
             if isinstance(message, Truncate):
                 await self.drain(cuts)  # every earlier change in the log first
             documents = self._row_change(message)
-            if documents is None:  # a TRUNCATE, or a row to read again
+            if documents is None:  # a TRUNCATE, or a value to find
                 documents = await self._documents(message)
             self.pending += documents
+            unsynced = self.unsynced
+            for document in documents:
+                unsynced[document.docid] = document
             if len(self.pending) >= BATCH_CHANGES:
                 # A large transaction: hand over what it has so far, and say how far.
                 self.pending_position = Position(self.txn_lsn, done=self.txn_seen)
@@ -729,51 +865,108 @@ class _StreamReader:
             return self.table.oid in message.relations
         return isinstance(message, Insert | Update | Delete) and message.relation == self.table.oid
 
-    def _row_change(
-        self, message: Insert | Update | Delete | Truncate, current: list[Document] | None = None
-    ) -> list[Document] | None:
+    def _row_change(self, message: Insert | Update | Delete | Truncate) -> list[Document] | None:
         """The documents of an insert, update or delete, without a coroutine (the common case);
-        None for a TRUNCATE, or for an update that left a value out until `current` (the row
-        as read again, `_documents`) is given."""
+        None for a TRUNCATE, or for an update that left a TOASTed value out which neither its
+        old row nor a version not yet in the log gives (`_documents` looks further)."""
         shape = self.shape
         if shape is None or isinstance(message, Truncate):
             return None
-        at = shape.id_at
         if isinstance(message, Delete):
-            return [Document(str(message.old[at]), None)]
+            return [Document(str(message.old[shape.id_at]), None)]
         new = message.new
-        if current is None:
-            if UNCHANGED in new:
-                return None
-            current = [self.follower._document(shape, new)]
+        if UNCHANGED not in new or (
+            shape.doc_at is not None
+            and new[shape.doc_at] is not UNCHANGED
+            and new[shape.id_at] is not UNCHANGED
+        ):  # with --doc-column, only that column and the id matter
+            return self._keyed(message, self.follower._document(shape, new))
+        assert isinstance(message, Update)
+        progress = self.follower.progress
+        old = message.old
+        if shape.full_old_row and old is not None:  # REPLICA IDENTITY FULL: the old row, whole
+            new = tuple(o if v is UNCHANGED else v for v, o in zip(new, old, strict=True))
+            if UNCHANGED not in new:
+                progress.unchanged_from_old_row += 1
+                return self._keyed(message, self.follower._document(shape, new))
+        previous = self.unsynced.get(self._previous_id(message))
+        if previous is not None and _fills(shape, new, previous):
+            progress.unchanged_from_log += 1
+            return self._keyed(message, self.follower._document(shape, new, previous.body))
+        return None
+
+    def _previous_id(self, message: Update) -> str:
+        """The id under which the row's previous version is: the old key's, if it changed."""
+        assert self.shape is not None
+        at = self.shape.id_at
+        old = message.old
+        if old is not None and isinstance(old[at], str):
+            return str(old[at])
+        if not isinstance(message.new[at], str):
+            raise PgOutputError(f"an update of {self.follower.qualified} without the row's id")
+        return str(message.new[at])
+
+    def _keyed(self, message: Insert | Update, document: Document | None) -> list[Document]:
+        """The update's documents: a delete of the old id first when the key changed."""
+        current = [] if document is None else [document]
         old = message.old if isinstance(message, Update) else None
-        if old is not None and old[at] is not None and str(old[at]) != str(new[at]):
-            return [Document(str(old[at]), None), *current]  # the key changed
+        if old is None or not isinstance(old[self.shape.id_at], str):  # type: ignore[union-attr]
+            return current
+        old_id = str(old[self.shape.id_at])  # type: ignore[union-attr]
+        new_id = message.new[self.shape.id_at]  # type: ignore[union-attr]
+        if old_id != new_id:
+            return [Document(old_id, None), *current]  # the key changed
         return current
 
     async def _documents(self, message: Insert | Update | Delete | Truncate) -> list[Document]:
-        """The documents of a TRUNCATE, or of an update that left a large (TOASTed) value out:
-        the row is read as it is now (a later change of it follows in the stream)."""
+        """The documents of a TRUNCATE, or of an update that left a TOASTed value out: taken
+        from the row's latest version in the log, else from the row read once this change is
+        visible (what it reads is this change or a later one, which follows in the stream)."""
+        follower = self.follower
+        source = follower.appender.source
         if isinstance(message, Truncate):
-            source = self.follower.appender.source
             survivors = await trio.to_thread.run_sync(source.surviving_documents)
-            # This transaction's changes before the TRUNCATE are not in the log yet.
-            live = set(survivors)
-            for document in self.pending:
-                if document.body is None:
-                    live.discard(document.docid)
-                else:
-                    live.add(document.docid)
-            self.follower.progress.truncates += 1
-            log.warning(
-                "TRUNCATE of %s: deleting its %d documents", self.follower.qualified, len(live)
-            )
+            # Every earlier change is in the log (drained): its live documents, once each.
+            live = {docid for docid, document in survivors.items() if document.body is not None}
+            follower.progress.truncates += 1
+            follower.progress.truncated_documents += len(live)
+            log.warning("TRUNCATE of %s: deleting its %d documents", follower.qualified, len(live))
             return [Document(docid, None) for docid in sorted(live)]
-        if self.shape is None:
+        shape = self.shape
+        if shape is None:
             raise PgOutputError("a change of the table before its Relation message")
-        assert not isinstance(message, Delete)
-        docid = str(message.new[self.shape.id_at])
-        row = await trio.to_thread.run_sync(self.follower._row, self.table, docid)
-        documents = self._row_change(message, [] if row is None else [row])
-        assert documents is not None
-        return documents
+        assert isinstance(message, Update)
+        new = message.new
+        if shape.full_old_row and message.old is not None:
+            new = tuple(o if v is UNCHANGED else v for v, o in zip(new, message.old, strict=True))
+        previous = await trio.to_thread.run_sync(source.latest_version, self._previous_id(message))
+        if previous is not None and _fills(shape, new, previous):
+            follower.progress.unchanged_from_log += 1
+            return self._keyed(message, follower._document(shape, new, previous.body))
+        docid = new[shape.id_at]
+        if not isinstance(docid, str):
+            raise PgOutputError(f"an update of {follower.qualified} without the row's id")
+        if follower.progress.unchanged_rows_read == 0:
+            log.warning(
+                "an update of row %r of %s left a TOASTed value out, and the log holds no "
+                "version of the row to take it from: the row is read again once the update is "
+                "visible (ALTER TABLE %s REPLICA IDENTITY FULL sends the old row instead)",
+                docid,
+                follower.qualified,
+                follower.qualified,
+            )
+        follower.progress.unchanged_rows_read += 1
+        row = await trio.to_thread.run_sync(follower._row, self.table, docid, self.txn_xid)
+        return self._keyed(message, Document(docid, None) if row is None else row)
+
+
+def _fills(shape: _Shape, values: Sequence[Value], previous: Document) -> bool:
+    """Whether the previous version holds every value an update left out."""
+    body = previous.body
+    if body is None:
+        return False
+    if shape.doc_at is not None:
+        return True  # the document is the one column: unchanged, it is the previous body
+    return all(
+        name in body for name, value in zip(shape.names, values, strict=True) if value is UNCHANGED
+    )

@@ -6,10 +6,12 @@ One LevelDB database in the router's state directory (`STATE_DIR`):
     b"v" + vbucket (u16)                -> {"high": seqno, "failover": [[vbuuid, seqno], ...]}
     b"e" + expiry (u64) + docid          -> b"" (documents whose latest version expires then)
     b"y" + docid                         -> expiry (u64) of the document's latest version
+    b"l" + docid                         -> seqno (u64) of its latest version, where tracked
     b"\\x00meta:num_vbuckets"            -> the number of vbuckets, fixed at creation
     b"\\x00meta:source"                  -> the log's identity (a UUID), made at creation
     b"\\x00meta:owned_vbuckets"          -> JSON list: the vbuckets of a peer router (else all)
     b"\\x00meta:input"                   -> how far a sharded router's input is appended (opaque)
+    b"\\x00meta:latest_versions"         -> present: the b"l" keys are kept (PostgreSQL input)
 
 The identity names this history, as a Couchbase bucket UUID does: every handshake carries it,
 and a node indexes the history of one source only (another log, even one with the same
@@ -45,6 +47,9 @@ _META_VBUCKETS = b"\x00meta:num_vbuckets"
 _META_SOURCE = b"\x00meta:source"
 _META_OWNED = b"\x00meta:owned_vbuckets"
 _META_INPUT = b"\x00meta:input"
+_META_LATEST = b"\x00meta:latest_versions"
+_LATEST = b"l"
+_SEQNO = struct.Struct(">Q")
 _RECORD = b"s"
 _VBUCKET = b"v"
 _VB = struct.Struct(">H")
@@ -186,6 +191,7 @@ class SourceLog:
             self.vbuckets = self._owned(vbuckets)
             self._owns = None if self.vbuckets is None else frozenset(self.vbuckets)
             self.input_position: bytes | None = self.db.get(_META_INPUT)
+            self.tracks_latest = self.db.get(_META_LATEST) is not None
             # docid -> expiry of its latest version, for the documents that have one.
             self._pending = {
                 key[1:].decode(): _TIME.unpack(value)[0]
@@ -320,6 +326,37 @@ class SourceLog:
             for key, value in records:
                 yield _KEY.unpack_from(key, 1)[1], value
 
+    def latest_version(self, docid: str) -> Document | None:
+        """The document's latest version (a delete too); None where the log holds none or does
+        not track latest versions (`track_latest_versions`)."""
+        if not self.tracks_latest:
+            return None
+        seqno = self.db.get(_LATEST + docid.encode())
+        if seqno is None:
+            return None
+        vb = vbucket_of(docid.encode(), self.num_vbuckets)
+        value = self.db.get(record_key(vb, _SEQNO.unpack(seqno)[0]))
+        if value is None:
+            return None
+        document = decode_document(value)
+        return document if document.docid == docid else None
+
+    def track_latest_versions(self) -> int:
+        """From now on, keep where each document's latest version is, in the batch that appends
+        it (the PostgreSQL input reads a row's unchanged TOASTed values there); the first call
+        indexes what the log holds (blocking). Returns how many documents that indexed."""
+        if self.tracks_latest:
+            return 0
+        latest: dict[bytes, int] = {}
+        for key, value in self.db.iterator(prefix=_RECORD):
+            latest[decode_document(value).docid.encode()] = _KEY.unpack_from(key, 1)[1]
+        with self.db.write_batch(sync=True) as batch:
+            for docid, seqno in latest.items():
+                batch.put(_LATEST + docid, _SEQNO.pack(seqno))
+            batch.put(_META_LATEST, b"1")
+        self.tracks_latest = True
+        return len(latest)
+
     def surviving_documents(self) -> dict[str, Document]:
         """The latest surviving version of each document id (deletes included)."""
         out: dict[str, Document] = {}
@@ -377,6 +414,8 @@ class SourceLog:
                 # An input line holds the document in the shape the log stores: kept as it is.
                 value = document.line if document.line is not None else encode_document(document)
                 batch.put(record_key(vb, state.high), value)
+                if self.tracks_latest:
+                    batch.put(_LATEST + document.docid.encode(), _SEQNO.pack(state.high))
                 if encoded is not None:
                     encoded.append(value)
                 self._track_expiry(batch, document, pending)
@@ -454,10 +493,28 @@ class SourceLog:
                 ):
                     batch.delete(key)
                 self._rebuild_expiries(batch, vbucket, seqno, pending)
+                if self.tracks_latest:
+                    self._rebuild_latest(batch, vbucket, seqno)
             batch.put(_VBUCKET + _VB.pack(vbucket), new.encode())
         self._vbuckets[vbucket] = new
         self._apply_pending(pending)
         return vbuuid, seqno
+
+    def _rebuild_latest(self, batch: Any, vbucket: int, seqno: int) -> None:
+        """After history above `seqno` is cut: the latest versions of the documents that had
+        versions above it are the surviving ones, or none (blocking: reads the vbucket's log)."""
+        latest: dict[str, int] = {}
+        cut: set[str] = set()
+        for at, document in self.read(vbucket):
+            if at > seqno:
+                cut.add(document.docid)
+            else:
+                latest[document.docid] = at
+        for docid in cut:
+            if docid in latest:
+                batch.put(_LATEST + docid.encode(), _SEQNO.pack(latest[docid]))
+            else:
+                batch.delete(_LATEST + docid.encode())
 
     def _rebuild_expiries(
         self, batch: Any, vbucket: int, seqno: int, pending: dict[str, int | None]
@@ -501,6 +558,8 @@ def split_log(state_dir: Path, targets: list[tuple[Path, tuple[int, ...]]]) -> i
                 db.put(_META_VBUCKETS, str(n).encode())
                 db.put(_META_SOURCE, old.identity.encode())
                 db.put(_META_OWNED, json.dumps(list(vbuckets)).encode())
+                if old.tracks_latest:
+                    db.put(_META_LATEST, b"1")
             copied = 0
             batches = [db.write_batch() for db in dbs]
             sizes = [0] * len(dbs)
@@ -510,7 +569,7 @@ def split_log(state_dir: Path, targets: list[tuple[Path, tuple[int, ...]]]) -> i
                     (vb,) = _VB.unpack_from(key, 1)
                 elif tag == _EXPIRY:
                     vb = vbucket_of(key[1 + _TIME.size :], n)
-                elif tag == _PENDING:
+                elif tag in (_PENDING, _LATEST):
                     vb = vbucket_of(key[1:], n)
                 else:
                     continue  # the old log's own meta keys

@@ -1,4 +1,4 @@
-"""pgoutput messages and column values, decoded without a server (the e2e tests use a real one)."""
+"""pgoutput messages, decoded without a server (the e2e tests use a real one)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,9 @@ from indexer.router.pgoutput import (
     Relation,
     Truncate,
     Update,
-    convert_value,
     decode_message,
     format_lsn,
     parse_lsn,
-    row_document,
 )
 
 
@@ -90,50 +88,8 @@ def test_malformed_messages_say_what_is_wrong(payload: bytes, message: str) -> N
         decode_message(payload)
 
 
-@pytest.mark.parametrize(
-    ("oid", "text", "value"),
-    [
-        (16, "t", True),
-        (16, "f", False),
-        (23, "-42", -42),
-        (20, "9007199254740993", 9007199254740993),
-        (701, "1.5", 1.5),
-        (701, "NaN", None),
-        (1700, "12", 12),
-        (1700, "12.50", 12.5),
-        (1700, "1e3", 1000.0),
-        (3802, '{"a": [1, {"b": null}]}', {"a": [1, {"b": None}]}),
-        (114, "[1, 2]", [1, 2]),
-        (1184, "2026-01-02 03:04:05.5+00", "2026-01-02T03:04:05.5+00:00"),
-        (1184, "2026-01-02 03:04:05-05:30", "2026-01-02T03:04:05-05:30"),
-        (1114, "2026-01-02 03:04:05", "2026-01-02T03:04:05"),
-        (1082, "2026-01-02", "2026-01-02"),
-        (25, "plain text", "plain text"),
-        (1009, '{a,"b c",NULL,"q\\"x"}', ["a", "b c", None, 'q"x']),
-        (1007, "{1,2,NULL}", [1, 2, None]),
-        (2950, "0e6f8d2a-0000-4000-8000-000000000000", "0e6f8d2a-0000-4000-8000-000000000000"),
-    ],
-)
-def test_values_become_json(oid: int, text: str, value: object) -> None:
-    got = convert_value(oid, text)
-    assert got == value and type(got) is type(value)
-
-
-def test_rows_and_lsns() -> None:
-    relation = decode_message(RELATION)
-    assert isinstance(relation, Relation)
-    assert row_document(relation, ("a", '{"x": 1}', None)) == {
-        "id": "a",
-        "doc": {"x": 1},
-        "age": None,
-    }
-    kept = row_document(relation, ("a", UNCHANGED, "3"), {"doc": {"x": 2}})
-    assert kept == {"id": "a", "doc": {"x": 2}, "age": 3}
-    with pytest.raises(PgOutputError, match="a row of 2 values"):
-        row_document(relation, ("a", None))
+def test_lsns() -> None:
     assert parse_lsn("16/B374D848") == (0x16 << 32) | 0xB374D848
     assert format_lsn(parse_lsn("16/B374D848")) == "16/B374D848"
     with pytest.raises(PgOutputError, match="not an LSN"):
         parse_lsn("nope")
-    with pytest.raises(PgOutputError, match="more than one dimension"):
-        convert_value(1007, "{{1,2},{3,4}}")
