@@ -1,11 +1,14 @@
 """`indexer router --postgres`: a real PostgreSQL server (initdb in a temporary directory,
 wal_level=logical), a real router and a real daemon. The indexes must equal a model computed from
 the table's final contents, read back with psycopg2's own types, and the router's source log
-must hold each change exactly once."""
+must hold each change exactly once. One row in ten has a TOASTed column (`notes`, stored out of
+line), so updates that leave it out take it from the row's latest version; half the rows are
+`active`, so a boolean that read back wrong on one path shows in `by_active`."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -26,7 +29,13 @@ pytestmark = pytest.mark.e2e
 
 LOGICAL = {"wal_level": "logical", "max_wal_senders": "10", "max_replication_slots": "10"}
 PARTIAL = {"indexes.adults": {"keys": ["age"], "where": "age >= 18"}}
-INDEXES = {"by_city": ["address.city", "age"], "by_age": ["age"], "adults": ["age"]}
+ACTIVE = {"indexes.by_active": {"keys": ["active", "notes.k"]}}
+INDEXES = {
+    "by_city": ["address.city", "age"],
+    "by_age": ["age"],
+    "adults": ["age"],
+    "by_active": ["active", "notes.k"],
+}
 TABLE = """
 CREATE TABLE people (
     id text PRIMARY KEY,
@@ -35,8 +44,10 @@ CREATE TABLE people (
     score numeric,
     seen timestamptz,
     tags text[],
-    active boolean
-)
+    active boolean,
+    notes jsonb
+);
+ALTER TABLE people ALTER COLUMN notes SET STORAGE EXTERNAL;
 """
 
 
@@ -98,10 +109,16 @@ def person(i: int, age: int | None = None) -> tuple[Any, ...]:
         "2026-01-02 03:04:05.5+00",
         ["a", f"t{i % 3}"],
         i % 2 == 0,
+        json.dumps(notes(i)),
     )
 
 
-INSERT = "INSERT INTO people VALUES (%s, %s, %s, %s, %s, %s, %s)"
+def notes(i: int) -> dict[str, Any]:
+    """One row in ten gets 6 KB of random text: TOASTed, out of line."""
+    return {"k": i % 7, "pad": os.urandom(3_000).hex()} if i % 10 == 1 else {"k": i % 7}
+
+
+INSERT = "INSERT INTO people VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
 
 
 def insert_many(url: str, rows: list[tuple[Any, ...]]) -> None:
@@ -116,10 +133,13 @@ def table_documents(url: str) -> list[Document]:
     """The table's final contents as documents, with psycopg2's own conversions."""
     conn = psycopg2.connect(url)
     with conn, conn.cursor() as cur:
-        cur.execute("SELECT id, address, age FROM people")
+        cur.execute("SELECT id, address, age, active, notes FROM people")
         rows = cur.fetchall()
     conn.close()
-    return [Document(i, {"id": i, "address": a, "age": age}) for i, a, age in rows]
+    return [
+        Document(i, {"id": i, "address": a, "age": age, "active": active, "notes": n})
+        for i, a, age, active, n in rows
+    ]
 
 
 def scans(daemon: Daemon) -> dict[str, list[dict[str, Any]]]:
@@ -152,6 +172,15 @@ def wait_model(daemon: Daemon, url: str, router: Router, timeout: float = WAIT_S
         time.sleep(0.2)
 
 
+def _count(url: str) -> int:
+    conn = psycopg2.connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM people")
+        (count,) = cur.fetchone()
+    conn.close()
+    return int(count)
+
+
 def start_router(tmp: Path, daemon: Daemon, url: str, *extra: str) -> Router:
     """A router following the table, its log in a file of its own (a restart gets a new one)."""
     router = Router(
@@ -165,7 +194,7 @@ def start_router(tmp: Path, daemon: Daemon, url: str, *extra: str) -> Router:
 
 def start_daemon(tmp: Path) -> Daemon:
     port = free_port()
-    config = write_config(tmp / "indexer.toml", tmp / "data", port, **PARTIAL)
+    config = write_config(tmp / "indexer.toml", tmp / "data", port, **PARTIAL, **ACTIVE)
     return Daemon(config, tmp / "daemon.log", port).start()
 
 
@@ -179,26 +208,39 @@ def test_rows_then_changes_of_every_kind_equal_the_table(db: str, tmp_path: Path
     # Inserts, updates (a key, an age out of the partial index, a city), deletes.
     insert_many(db, [person(i) for i in range(1_000, 1_500)])
     run(db, "UPDATE people SET age = 10 WHERE id = 'p20'")  # p20 was 50: leaves `adults`
-    run(db, "UPDATE people SET id = 'moved' WHERE id = 'p21'")  # the document id changes
+    run(db, "UPDATE people SET id = 'moved' WHERE id = 'p21'")  # the id of a TOASTed row
     run(db, "UPDATE people SET address = '{\"city\": \"Bern\"}' WHERE id LIKE 'p3%'")
     run(db, "DELETE FROM people WHERE id LIKE 'p4%'")
+    # Updates that leave the TOASTed `notes` out, one in a transaction with the row's insert.
+    run(db, "UPDATE people SET active = NOT active WHERE id LIKE 'p1%'")
+    conn = psycopg2.connect(db)
+    with conn, conn.cursor() as cur:
+        cur.execute(INSERT, person(2_001))
+        cur.execute("UPDATE people SET active = NOT active, age = 3 WHERE id = 'p2001'")
+    conn.close()
     wait_model(daemon, db, router)
+    assert router.stats()["postgres"]["unchanged_from_log"] >= 16
     body = httpx.get(f"{daemon.url}/indexes/by_age/docs/moved").json()
     assert body["entries"] and body["entries"][0]["id"] == "moved"
     assert httpx.get(f"{daemon.url}/indexes/by_age/docs/p21").json()["entries"] == []
-    # TRUNCATE deletes every document; rows inserted after it are there.
+    # TRUNCATE deletes every live document, once each; rows inserted after it are there.
+    live = _count(db)
     run(db, "TRUNCATE people")
     insert_many(db, [person(i) for i in range(5_000, 5_010)])
     wait_model(daemon, db, router)
     assert len(scans(daemon)["by_age"]) == 10
-    router.wait_log(r"TRUNCATE of public\.people: deleting its \d+ documents")
+    (said,) = router.wait_log(r"TRUNCATE of public\.people: deleting its (\d+) documents")
+    assert int(said) == live  # not the ids deleted before it
+    run(db, "TRUNCATE people")
+    wait_model(daemon, db, router)
+    said = router.wait_log(r"TRUNCATE of public\.people: deleting its (\d+) documents", 2)
+    assert said[1] == "10"
     stats = router.stats()["postgres"]
-    assert stats["state"] == "streaming" and stats["truncates"] == 1
+    assert stats["state"] == "streaming" and stats["truncates"] == 2
+    assert stats["truncated_documents"] == live + 10
     assert stats["confirmed_lsn"] is not None
     for key in ("lag_bytes", "lag_s", "changes_per_s", "server_lsn"):
         assert key in stats, key
-    # Every change once: the copy, 500 inserts, 1 + 2 (a moved id: a delete and an insert)
-    # + 111 updated + 111 deleted, the truncated documents, then 10 inserts.
     assert router.stop() == 0
     assert daemon.stop() == 0
 
@@ -216,9 +258,11 @@ def test_router_killed_in_a_large_transaction_resumes_exactly_once(db: str, tmp_
     appended = router.appended()
     router.stop(signal.SIGKILL)
     assert appended < 30_000, "the transaction was all appended before the kill: not a test"
+    # Updates that leave the TOASTed `notes` out, of rows appended before the kill or not.
     run(db, "UPDATE people SET age = age + 1 WHERE id LIKE 'p1%'")
     router = start_router(tmp_path, daemon, db)
     wait_model(daemon, db, router)
+    assert router.stats()["postgres"]["unchanged_from_log"] > 0
     updated = len([i for i in range(30_000) if str(i).startswith("1")])
     # Each change once in the source log: no insert appended twice after the restart; and
     # the daemon holds exactly those seqnos (a seqno sent twice would be refused, and counted).
@@ -241,6 +285,7 @@ def test_daemon_killed_and_restarted_during_the_stream(db: str, tmp_path: Path) 
         if start == 3_000:
             daemon.kill()
             daemon.start()
+            run(db, "UPDATE people SET active = NOT active WHERE id LIKE '%1'")  # TOASTed notes
     run(db, "DELETE FROM people WHERE age > 80")
     wait_model(daemon, db, router)
     assert daemon.stop() == 0
