@@ -227,6 +227,7 @@ _operation = st.one_of(
     st.tuples(st.just("append"), st.lists(_document, max_size=12)),
     st.tuples(st.just("failover"), st.integers(0, 3), st.one_of(st.none(), st.floats(0, 1))),
     st.tuples(st.just("reopen")),
+    st.tuples(st.just("track")),
 )
 
 
@@ -236,6 +237,7 @@ def test_random_appends_and_failovers_match_a_list_model(operations: list[Any]) 
     num = 4
     model: dict[int, list[Document]] = {}
     uuids: dict[int, set[int]] = {}
+    tracking = False  # latest versions kept (the PostgreSQL input's), from some point on
     with tempfile.TemporaryDirectory() as tmp:
         log = SourceLog(Path(tmp), num)
         try:
@@ -247,6 +249,12 @@ def test_random_appends_and_failovers_match_a_list_model(operations: list[Any]) 
                 elif op[0] == "reopen":
                     log.close()
                     log = SourceLog(Path(tmp))
+                    assert log.tracks_latest == tracking
+                elif op[0] == "track":
+                    indexed = log.track_latest_versions()
+                    ids = {d.docid for docs in model.values() for d in docs}
+                    assert indexed == (0 if tracking else len(ids))
+                    tracking = True
                 else:
                     _, vb, where = op
                     if vb not in model:
@@ -279,6 +287,10 @@ def test_random_appends_and_failovers_match_a_list_model(operations: list[Any]) 
                 for d in docs:
                     latest[d.docid] = d
             assert log.surviving_documents() == latest
+            ever = {d.docid for op in operations if op[0] == "append" for d in op[1]}
+            for docid in ever:
+                want_latest = latest.get(docid) if tracking else None
+                assert log.latest_version(docid) == want_latest, docid
         finally:
             log.close()
 
@@ -443,3 +455,32 @@ def test_the_identity_and_a_peers_range_are_fixed_when_the_log_is_made(tmp_path:
         log.append([Document(f"d{i}", {"i": i}) for i in range(40)])
     with pytest.raises(SourceError, match="history outside those vbuckets"):
         SourceLog(tmp_path / "b", vbuckets=(0,))
+
+
+def test_latest_versions_follow_appends_failovers_and_splits(tmp_path: Path) -> None:
+    """Where each document's latest version is (the PostgreSQL input reads unchanged TOASTed
+    values there): kept by appends, made for what the log held, cut back by a failover."""
+    from indexer.router.source import split_log
+
+    a, b = docid_in(0, 0), docid_in(0, 1)
+    with SourceLog(tmp_path / "s", NUM_VBUCKETS) as log:
+        log.append([Document(a, {"v": 1}), Document(b, {"v": 1})])
+        assert log.latest_version(a) is None  # not tracked yet
+        assert log.track_latest_versions() == 2
+        log.append([Document(a, {"v": 2}), Document(b, None)])
+        assert log.latest_version(a) == Document(a, {"v": 2})
+        assert log.latest_version(b) == Document(b, None)
+        log.append([Document(a, {"v": 3})])
+        assert log.latest_version(a) == Document(a, {"v": 3})
+        log.failover(0, 3)  # cuts a's third version (seqno 5) and b's delete stays (seqno 4)
+        assert log.latest_version(a) == Document(a, {"v": 2})
+        log.failover(0, 1)  # only a's first version is left
+        assert log.latest_version(a) == Document(a, {"v": 1})
+        assert log.latest_version(b) is None
+        log.append([Document(b, {"v": 9})])  # seqno 2 again, another document
+        assert log.latest_version(b) == Document(b, {"v": 9})
+        assert log.latest_version(a) == Document(a, {"v": 1})
+    halves = [(tmp_path / "x", tuple(range(4))), (tmp_path / "y", tuple(range(4, 8)))]
+    split_log(tmp_path / "s", halves)
+    with SourceLog(tmp_path / "x", create=False) as half:
+        assert half.tracks_latest and half.latest_version(b) == Document(b, {"v": 9})
