@@ -21,7 +21,7 @@ import psycopg2
 import psycopg2.extras
 import pytest
 
-from indexer.router.documents import Document
+from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import WAIT_S, Daemon, Router, free_port, model, write_config
 from tests.harness import Postgres, find_postgres, indexer_command
 
@@ -369,3 +369,43 @@ def test_a_copy_cut_short_is_made_again_and_rows_gone_meanwhile_are_deleted(
     assert gone is not None and int(gone.group(1)) > 0, router.log()[-2000:]
     assert daemon.stop() == 0
     assert router.stop() == 0
+
+
+def test_unchanged_toasted_values_from_the_old_row_or_from_a_read_of_the_row(
+    db: str, tmp_path: Path
+) -> None:
+    """The two other ways to an unchanged TOASTed value: the old row under REPLICA IDENTITY
+    FULL, and, where the log holds no version of the row (its history cut by a failover),
+    the row read in a snapshot that sees the update."""
+    rows = [i for i in range(1, 200, 10)]  # all TOASTed (i % 10 == 1)
+    vb = vbucket_of(b"p1", 1024)
+    rows = [i for i in rows if i == 1 or vbucket_of(f"p{i}".encode(), 1024) != vb]
+    insert_many(db, [person(i) for i in rows])
+    daemon = start_daemon(tmp_path)
+    router = start_router(tmp_path, daemon, db)
+    wait_model(daemon, db, router)
+    run(db, "ALTER TABLE people REPLICA IDENTITY FULL")
+    run(db, "UPDATE people SET active = NOT active WHERE id = 'p11'")
+    wait_model(daemon, db, router)
+    stats = router.stats()["postgres"]
+    assert stats["unchanged_from_old_row"] == 1 and stats["unchanged_from_log"] == 0
+    run(db, "ALTER TABLE people REPLICA IDENTITY DEFAULT")
+    # p1's vbucket loses its whole history, and p1 leaves the index with it.
+    answer = httpx.post(f"{router.url}/failover/{vb}", json={"seqno": 0}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    deadline = time.monotonic() + WAIT_S
+    while httpx.get(f"{daemon.url}/indexes/by_active/docs/p1").json()["entries"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    run(db, "UPDATE people SET active = NOT active, age = 77 WHERE id = 'p1'")
+    wait_model(daemon, db, router)
+    stats = router.stats()["postgres"]
+    assert stats["unchanged_rows_read"] == 1, stats
+    line = router.wait_log(r"WARNING .*left a TOASTed value out.*")[0]
+    assert "'p1'" in line and "REPLICA IDENTITY FULL" in line
+    # The row read is now its latest version: the next such update takes it from the log.
+    run(db, "UPDATE people SET active = NOT active WHERE id = 'p1'")
+    wait_model(daemon, db, router)
+    assert router.stats()["postgres"]["unchanged_from_log"] == 1
+    assert router.stop() == 0
+    assert daemon.stop() == 0
