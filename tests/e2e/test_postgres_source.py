@@ -233,8 +233,8 @@ def test_rows_then_changes_of_every_kind_equal_the_table(db: str, tmp_path: Path
     assert int(said) == live  # not the ids deleted before it
     run(db, "TRUNCATE people")
     wait_model(daemon, db, router)
-    said = router.wait_log(r"TRUNCATE of public\.people: deleting its (\d+) documents", 2)
-    assert said[1] == "10"
+    both = router.wait_log(r"TRUNCATE of public\.people: deleting its (\d+) documents", 2)
+    assert both[1] == "10"
     stats = router.stats()["postgres"]
     assert stats["state"] == "streaming" and stats["truncates"] == 2
     assert stats["truncated_documents"] == live + 10
