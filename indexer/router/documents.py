@@ -84,7 +84,7 @@ def _key_int(text: str) -> int:
     return value
 
 
-def _depth_exceeds(value: Any, limit: int) -> bool:
+def depth_exceeds(value: Any, limit: int) -> bool:
     """Whether arrays and objects nest more than `limit` levels deep in `value` (no recursion)."""
     stack = [(value, 1)]
     while stack:
@@ -112,7 +112,7 @@ def loads_document(text: str | bytes) -> Any:
         if isinstance(text, str)
         else (text.count(b"[") + text.count(b"{"))
     )
-    if nesting > MAX_DEPTH and isinstance(value, dict | list) and _depth_exceeds(value, MAX_DEPTH):
+    if nesting > MAX_DEPTH and isinstance(value, dict | list) and depth_exceeds(value, MAX_DEPTH):
         raise DocumentError(f"arrays and objects nest deeper than {MAX_DEPTH} levels")
     return value
 

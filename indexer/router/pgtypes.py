@@ -17,11 +17,20 @@ double): such numbers become their text, as strings.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from indexer.router.documents import MAX_DEPTH, DocumentError, json_loads, loads_document
+import orjson
+
+from indexer.router.documents import (
+    MAX_DEPTH,
+    DocumentError,
+    depth_exceeds,
+    json_loads,
+    loads_document,
+)
 
 __all__ = [
     "SESSION_OPTIONS",
@@ -154,6 +163,7 @@ class TypeCatalog:
 # ---------------------------------------------------------------------------------------------
 # Conversions of one value's text form
 
+_LONG_DIGITS: Final = re.compile(r"\d{19}")  # an integer orjson may read as a double
 _SPECIAL_NUMBERS: Final = frozenset({"NaN", "Infinity", "-Infinity"})
 
 
@@ -219,8 +229,22 @@ def _no_constant(name: str) -> Any:
 
 def _json(text: str) -> Any:
     """A json or jsonb value, nested; a number beyond a double as its text."""
+    if _LONG_DIGITS.search(text) is None:  # orjson reads every number exactly: the fast path
+        try:
+            value = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            return _json_checked(text)
+        if text.count("[") + text.count("{") > MAX_DEPTH and depth_exceeds(value, MAX_DEPTH):
+            raise PgTypeError(f"a JSON value nests deeper than {MAX_DEPTH} levels")
+        return value
+    return _json_checked(text)
+
+
+def _json_checked(text: str) -> Any:
+    """`_json` by the standard library, where orjson would read a number inexactly or not at
+    all (NaN is not JSON: PostgreSQL never prints it)."""
     try:
-        return loads_document(text)  # orjson where it can; checked for depth
+        return loads_document(text)
     except DocumentError as exc:
         if "nest deeper" in str(exc):
             raise PgTypeError(f"a JSON value nests deeper than {MAX_DEPTH} levels") from None

@@ -795,7 +795,8 @@ class _StreamReader:
         return True
 
     async def drain(self, cuts: trio.MemorySendChannel[_Cut]) -> None:
-        """Until everything read so far is in the log."""
+        """Until every cut handed over is in the log (changes of the open transaction not
+        yet positioned stay pending: a TRUNCATE counts them itself)."""
         await self.hand_over(cuts, wait=True)
         while self.in_flight:
             await self._appended.wait()
@@ -856,9 +857,12 @@ class _StreamReader:
             for document in documents:
                 unsynced[document.docid] = document
             if len(self.pending) >= BATCH_CHANGES:
-                # A large transaction: hand over what it has so far, and say how far.
+                # A large transaction: hand over what it has so far, and say how far; only
+                # once the appender is free (trying each change costs more than it reads).
                 self.pending_position = Position(self.txn_lsn, done=self.txn_seen)
-                await self.hand_over(cuts, wait=len(self.pending) >= MAX_PENDING)
+                full = len(self.pending) >= MAX_PENDING
+                if full or not self.in_flight:
+                    await self.hand_over(cuts, wait=full)
 
     def _ours(self, message: Any) -> TypeGuard[Insert | Update | Delete | Truncate]:
         if isinstance(message, Truncate):
@@ -926,8 +930,13 @@ class _StreamReader:
         source = follower.appender.source
         if isinstance(message, Truncate):
             survivors = await trio.to_thread.run_sync(source.surviving_documents)
-            # Every earlier change is in the log (drained): its live documents, once each.
             live = {docid for docid, document in survivors.items() if document.body is not None}
+            # This transaction's changes before the TRUNCATE are not in the log yet.
+            for document in self.pending:
+                if document.body is None:
+                    live.discard(document.docid)
+                else:
+                    live.add(document.docid)
             follower.progress.truncates += 1
             follower.progress.truncated_documents += len(live)
             log.warning("TRUNCATE of %s: deleting its %d documents", follower.qualified, len(live))

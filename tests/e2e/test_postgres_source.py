@@ -235,9 +235,19 @@ def test_rows_then_changes_of_every_kind_equal_the_table(db: str, tmp_path: Path
     wait_model(daemon, db, router)
     both = router.wait_log(r"TRUNCATE of public\.people: deleting its (\d+) documents", 2)
     assert both[1] == "10"
+    # Changes before a TRUNCATE in its own transaction are deleted with the rest.
+    conn = psycopg2.connect(db)
+    with conn, conn.cursor() as cur:
+        cur.execute(INSERT, person(9_001))
+        cur.execute("UPDATE people SET active = NOT active WHERE id = 'p9001'")
+        cur.execute("TRUNCATE people")
+        cur.execute(INSERT, person(9_002))
+    conn.close()
+    wait_model(daemon, db, router)
+    assert [e["id"] for e in scans(daemon)["by_age"]] == ["p9002"]
     stats = router.stats()["postgres"]
-    assert stats["state"] == "streaming" and stats["truncates"] == 2
-    assert stats["truncated_documents"] == live + 10
+    assert stats["state"] == "streaming" and stats["truncates"] == 3
+    assert stats["truncated_documents"] == live + 10 + 1
     assert stats["confirmed_lsn"] is not None
     for key in ("lag_bytes", "lag_s", "changes_per_s", "server_lsn"):
         assert key in stats, key
