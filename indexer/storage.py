@@ -130,6 +130,57 @@ def open_leveldb(
         raise failed(f"cannot open {what} in {path}: {exc}") from None
 
 
+class ClosedLogs:
+    """Makes a LevelDB database's closed write-ahead logs durable.
+
+    A synchronous write syncs the current log only. When a memtable fills, LevelDB opens a new
+    log and closes the old one without fsync (DBImpl::MakeRoomForWrite); its memtable reaches a
+    synced table file later, in the background. Until then a power cut can take writes that a
+    later synchronous write seemed to make durable. After its synchronous write, a caller that
+    acknowledges everything before it calls `sync`: every log but the newest (which that write
+    synced) is fsynced once (a closed log never changes), and the directory when its logs
+    changed, so a new log's entry survives too. Blocking; a few system calls when nothing is
+    new.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._synced: set[str] = set()  # closed logs fsynced already
+        self._listed: frozenset[str] = frozenset()  # the logs at the last directory fsync
+
+    def sync(self) -> int:
+        """Fsync what is not durable yet; how many files (the directory included)."""
+        logs = sorted(
+            (name for name in os.listdir(self.path) if name.endswith(".log")),
+            key=lambda name: int(name[:-4]) if name[:-4].isdigit() else -1,
+        )
+        count = 0
+        for name in logs[:-1]:
+            if name in self._synced:
+                continue
+            try:
+                fd = os.open(self.path / name, os.O_RDONLY)
+            except FileNotFoundError:  # compacted meanwhile: in a synced table file now
+                continue
+            try:
+                os.fsync(fd)  # on Linux, a read-only descriptor flushes the file's pages
+            finally:
+                os.close(fd)
+            self._synced.add(name)
+            count += 1
+        listed = frozenset(logs)
+        if listed != self._listed:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._listed = listed
+            count += 1
+        self._synced &= listed
+        return count
+
+
 def start_compaction_thread(db: Any, nice: int) -> int | None:
     """Start LevelDB's compaction thread at `nice`; its thread id, or None if it was running.
 
@@ -194,6 +245,7 @@ class IndexStore:
             path.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.db = open_leveldb(path, create)
+        self._closed_logs = ClosedLogs(path)
         # The id of LevelDB's compaction thread if this store started it at `compaction_nice`.
         self.compaction_thread = start_compaction_thread(self.db, compaction_nice)
         # Failed writes so far, and how many of them a log switch has left behind (see commit).
@@ -410,8 +462,17 @@ class IndexStore:
         self._guarded(lambda: self.db.put(_META_SOURCE, identity.encode(), sync=True))
 
     def sync(self) -> None:
-        """Make every earlier write durable (a synchronous write syncs LevelDB's log)."""
-        self._guarded(lambda: self.db.put(_META_SYNC, b"", sync=True))
+        """Make every earlier write durable: a synchronous write syncs LevelDB's current log,
+        and the logs it closed before are synced too (`ClosedLogs`)."""
+
+        def write() -> None:
+            self.db.put(_META_SYNC, b"", sync=True)
+            try:
+                self._closed_logs.sync()
+            except OSError as exc:
+                raise StoreWriteError(f"cannot sync the store's logs: {exc.strerror}") from None
+
+        self._guarded(write)
 
     def get(self, key: bytes) -> bytes | None:
         value: bytes | None = self.db.get(key)

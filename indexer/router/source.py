@@ -39,7 +39,7 @@ from typing import Any
 from indexer.protocol import MAX_FAILOVER_ENTRIES
 from indexer.router.documents import Document, json_loads, vbucket_of
 from indexer.router.expiry import expiry_of, with_absolute_expiry
-from indexer.storage import open_leveldb, start_compaction_thread
+from indexer.storage import ClosedLogs, open_leveldb, start_compaction_thread
 
 STATE_DIR = "source"
 DEFAULT_NUM_VBUCKETS = 1024
@@ -183,6 +183,7 @@ class SourceLog:
                 raise SourceError(f"cannot create {path}: {exc.strerror}") from None
         self.path = path
         self.db = _open(path, create)
+        self._closed_logs = ClosedLogs(path)
         start_compaction_thread(self.db, compaction_nice)  # the log compacts as it grows
         try:
             self.num_vbuckets = self._check_vbuckets(num_vbuckets)
@@ -424,11 +425,22 @@ class SourceLog:
                 batch.put(_VBUCKET + _VB.pack(vb), state.encode())
             if input_position is not None:
                 batch.put(_META_INPUT, input_position)
+        self._sync_closed_logs()
         self._vbuckets.update(changed)
         if input_position is not None:
             self.input_position = input_position
         self._apply_pending(pending)
         return count
+
+    def _sync_closed_logs(self) -> None:
+        """After a synced batch: the logs LevelDB closed before it are durable too (a power
+        cut could otherwise take what that batch's sync seemed to cover; `ClosedLogs`)."""
+        try:
+            self._closed_logs.sync()
+        except OSError as exc:
+            raise SourceError(
+                f"cannot sync the source log in {self.path}: {exc.strerror}"
+            ) from None
 
     def _track_expiry(self, batch: Any, document: Document, pending: dict[str, int | None]) -> None:
         """Point the expiry index at the document's new version (in the append's batch)."""
@@ -496,6 +508,7 @@ class SourceLog:
                 if self.tracks_latest:
                     self._rebuild_latest(batch, vbucket, seqno)
             batch.put(_VBUCKET + _VB.pack(vbucket), new.encode())
+        self._sync_closed_logs()
         self._vbuckets[vbucket] = new
         self._apply_pending(pending)
         return vbuuid, seqno
