@@ -208,6 +208,7 @@ class Daemon:
         self.http_port = int(server.get("http_port", 0))
         self.proc: subprocess.Popen[bytes] | None = None
         self.args = list(args)  # more `indexer serve` arguments (a cluster map's --node, say)
+        self.env: dict[str, str] | None = None  # its environment (a power-loss layer's, say)
 
     @classmethod
     def in_workdir(cls, workdir: Path, extra_config: str = "", args: Sequence[str] = ()) -> Daemon:
@@ -241,6 +242,7 @@ class Daemon:
                 stdout=subprocess.DEVNULL,  # it logs to stderr; a caller's pipe is not held open
                 stderr=log,
                 stdin=subprocess.DEVNULL,
+                env=self.env,
             )
         deadline = time.monotonic() + timeout
         while (text := self.log()).count("listening for router feeds") <= seen:
