@@ -63,13 +63,15 @@ def recover_store(
     data_dir: Path,
     state: PersistedState,
 ) -> int:
-    """Undo what the store holds beyond the persisted snapshot (blocking; also at start-up).
+    """Undo what the store holds beyond the persisted snapshot (blocking; also at start-up),
+    durably: a power cut after it finds the store as it left it, or finishes the undo again.
 
     Also drops the undo records no kept recovery point needs (an earlier run may have stopped
     before pruning them).
     """
     if state.cleared:
         clear(store, indexes)
+        store.sync()  # durable before the file stops saying to clear
         write_snapshot_file(
             data_dir,
             PersistedState(state.current, state.older, state.failover_logs, cleared=False),
@@ -77,6 +79,7 @@ def recover_store(
         return -1
     reverted = restore(store, indexes, state.current.point)
     prune(store, state.points[-1].point)
+    store.sync()  # the undo is durable before anything newer is acknowledged
     return reverted
 
 

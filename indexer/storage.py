@@ -281,7 +281,7 @@ class IndexStore:
                 for key in index.entry_keys(back)
             ]
             self.write(fresh, stale)
-        self.db.put(_META_FORMAT, str(ENTRY_FORMAT).encode(), sync=True)
+        self._put_durably(_META_FORMAT, str(ENTRY_FORMAT).encode())
 
     def close(self) -> None:
         self.db.close()
@@ -351,7 +351,7 @@ class IndexStore:
                 item["where"] = s.definition.where
             item["state"] = s.state
             meta[s.definition.name] = item
-        self.db.put(_META_INDEXES, json.dumps(meta).encode(), sync=True)
+        self._put_durably(_META_INDEXES, json.dumps(meta).encode())
 
     def create_index(self, definition: IndexDefinition, state: str = "active") -> StoredIndex:
         """Register an index created at run time: "active", or "building" (initial build)."""
@@ -459,20 +459,22 @@ class IndexStore:
 
     def record_source(self, identity: str) -> None:
         """The store indexes this source from now on (synced before any of its data lands)."""
-        self._guarded(lambda: self.db.put(_META_SOURCE, identity.encode(), sync=True))
+        self._guarded(lambda: self._put_durably(_META_SOURCE, identity.encode()))
 
     def sync(self) -> None:
         """Make every earlier write durable: a synchronous write syncs LevelDB's current log,
         and the logs it closed before are synced too (`ClosedLogs`)."""
 
-        def write() -> None:
-            self.db.put(_META_SYNC, b"", sync=True)
-            try:
-                self._closed_logs.sync()
-            except OSError as exc:
-                raise StoreWriteError(f"cannot sync the store's logs: {exc.strerror}") from None
+        self._guarded(lambda: self._put_durably(_META_SYNC, b""))
 
-        self._guarded(write)
+    def _put_durably(self, key: bytes, value: bytes) -> None:
+        """A synchronous put, and the logs LevelDB closed before it synced too: the put and
+        every write before it survive a power cut (`ClosedLogs`)."""
+        self.db.put(key, value, sync=True)
+        try:
+            self._closed_logs.sync()
+        except OSError as exc:
+            raise StoreWriteError(f"cannot sync the store's logs: {exc.strerror}") from None
 
     def get(self, key: bytes) -> bytes | None:
         value: bytes | None = self.db.get(key)

@@ -145,6 +145,11 @@ def open_layout(
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
+        directory = os.open(state, os.O_RDONLY)  # the new name survives a power cut
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
     except OSError as exc:
         raise SourceError(f"cannot create {path}: {exc.strerror}") from None
     return layout

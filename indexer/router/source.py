@@ -355,6 +355,7 @@ class SourceLog:
             for docid, seqno in latest.items():
                 batch.put(_LATEST + docid, _SEQNO.pack(seqno))
             batch.put(_META_LATEST, b"1")
+        self._sync_closed_logs()
         self.tracks_latest = True
         return len(latest)
 
@@ -595,8 +596,9 @@ def split_log(state_dir: Path, targets: list[tuple[Path, tuple[int, ...]]]) -> i
                     batches[i], sizes[i] = dbs[i].write_batch(), 0
             for batch in batches:
                 batch.write()
-            for db in dbs:
-                db.put(_META_VBUCKETS, str(n).encode(), sync=True)  # all of it on disk
+            for db, (path, _) in zip(dbs, targets, strict=True):
+                db.put(_META_VBUCKETS, str(n).encode(), sync=True)  # all of it on disk:
+                ClosedLogs(path / STATE_DIR).sync()  # the logs closed before that put too
         finally:
             for db in dbs:
                 db.close()
