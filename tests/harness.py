@@ -333,7 +333,7 @@ class Daemon:
 class Router:
     """`indexer router ARGS` in a subprocess, its log in a file."""
 
-    def __init__(self, log_path: Path, *args: str) -> None:
+    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self.started = time.time()
         with open(log_path, "ab") as log:
@@ -342,6 +342,7 @@ class Router:
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
+                env=env,
             )
         self.process = psutil.Process(self.proc.pid)
         self.url = ""  # its API, once wait_url() has read it from the log
