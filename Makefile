@@ -66,11 +66,14 @@ fuzz: $(STAMP)
 	$(BIN)/python fuzz/frame_decoder.py -max_total_time=$(FUZZ_SECONDS)
 
 # The long crash loop (tests/e2e/crashloop.py): the daemon killed with SIGKILL SOAK_KILLS times
-# (and for at least SOAK_SECONDS) under a running feed; prints the kills survived and the
-# mismatches with the model, and fails unless there are none.
+# (and for at least SOAK_SECONDS) under a running feed, a SOAK_POWER share of the kills power
+# cuts (every write not fsynced undone: tests/powercut, compiled with the machine's C compiler);
+# prints the kills and cuts survived and the mismatches with the model, and fails unless there
+# are none.
 SOAK_KILLS ?= 200
 SOAK_SECONDS ?= 0
 SOAK_SEED ?= 1
+SOAK_POWER ?= 0.5
 .PHONY: soak
 soak: $(STAMP)
-	$(BIN)/python -m tests.e2e.crashloop --kills $(SOAK_KILLS) --seconds $(SOAK_SECONDS) --seed $(SOAK_SEED)
+	$(BIN)/python -m tests.e2e.crashloop --kills $(SOAK_KILLS) --seconds $(SOAK_SECONDS) --seed $(SOAK_SEED) --power-cuts $(SOAK_POWER)

@@ -1,4 +1,6 @@
-"""The crash loop: the daemon killed (SIGKILL) at random moments under a running feed.
+"""The crash loop: the daemon killed (SIGKILL) at random moments under a running feed, and,
+with `power_cuts`, some of those kills made power cuts (tests/powercut: every write the daemon
+had not fsynced undone before it restarts).
 
 A writer keeps appending documents to a JSONL file that `indexer router --follow` streams to the
 daemon; the daemon is killed at seeded random moments (some while it is still recovering, before
@@ -9,7 +11,7 @@ request_plus scans and a dump of the stopped store must equal the model of the w
 
 Used by tests/e2e/test_crash_loop.py (a few kills) and by `make soak`:
 
-    python -m tests.e2e.crashloop --kills 200 --seconds 1800 --seed 1
+    python -m tests.e2e.crashloop --kills 200 --seconds 1800 --seed 1 [--power-cuts 0.5]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tests.e2e.conftest import (
     write_config,
     write_jsonl,
 )
+from tests.powercut import PowerLoss, build_library
 
 CONNECTED = r"connected; resuming"
 # Snapshots cut and persisted often: kills land before, during and after many of them.
@@ -60,6 +63,7 @@ class CrashLoopReport:
     seed: int
     kills: int = 0  # SIGKILLs of the daemon followed by a successful restart
     kills_in_recovery: int = 0  # of which before the daemon listened
+    power_cuts: int = 0  # of which the unsynced writes were undone too
     router_kills: int = 0
     documents: int = 0
     seconds: float = 0.0
@@ -81,7 +85,8 @@ class CrashLoopReport:
     def summary(self) -> str:
         lines = [
             f"crash loop (seed {self.seed}): {self.kills} kills survived "
-            f"({self.kills_in_recovery} during recovery), {self.router_kills} router kills, "
+            f"({self.kills_in_recovery} during recovery, {self.power_cuts} power cuts), "
+            f"{self.router_kills} router kills, "
             f"{self.documents} documents in {self.seconds:.0f} s",
             f"mismatches: {self.mismatches} (scans {self.scan_mismatches}, "
             f"dumps {self.dump_mismatches})",
@@ -189,15 +194,33 @@ def run_crash_loop(
     router_kill_chance: float = 0.1,
     catch_up_s: float = 120.0,
     say: Callable[[str], None] = lambda line: None,
+    power_cuts: float = 0.0,
 ) -> CrashLoopReport:
     """Kill and restart the daemon `kills` times (or until `seconds` pass, if given, whichever
-    comes last) under a feed of about `rate` documents a second over `keys` document ids."""
+    comes last) under a feed of about `rate` documents a second over `keys` document ids; a
+    `power_cuts` share of the kills are power cuts."""
     rng = random.Random(seed)
     report = CrashLoopReport(seed)
     started = time.monotonic()
     port = free_port()
-    config = write_config(workdir / "indexer.toml", workdir / "data", port, **DAEMON_CONFIG)
+    layer = None
+    data = workdir / "data"
+    if power_cuts:
+        library = build_library(workdir / "powercut-lib")
+        layer = PowerLoss(library, workdir / "disk", workdir / "powercut")
+        data = layer.root / "data"
+    config = write_config(workdir / "indexer.toml", data, port, **DAEMON_CONFIG)
     daemon = Daemon(config, workdir / "daemon.log", port)
+    if layer is not None:
+        daemon.env = layer.env()
+
+    def kill_daemon() -> None:
+        daemon.kill()
+        report.kills += 1
+        if layer is not None and rng.random() < power_cuts:
+            layer.cut()
+            report.power_cuts += 1
+
     jsonl = workdir / "docs.jsonl"
     writer = Writer(jsonl, rng.getrandbits(32), rate, keys)
     writer.append(rate)  # a second's worth before anything runs
@@ -224,15 +247,13 @@ def run_crash_loop(
             while time.monotonic() < until:
                 seen = max(seen, persisted_sum(daemon) or 0)
                 time.sleep(0.05)
-            daemon.kill()
-            report.kills += 1
+            kill_daemon()
             if rng.random() < 0.25:
                 # Again while it recovers, before it listens (back index load, undo of the store).
                 listened = daemon.log().count("listening for router feeds")
                 start_unwaited(daemon)
                 time.sleep(rng.uniform(0.05, 0.6))
-                daemon.kill()
-                report.kills += 1
+                kill_daemon()
                 if daemon.log().count("listening for router feeds") == listened:
                     report.kills_in_recovery += 1
             connections = router.log().count(CONNECTED)
@@ -287,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=2_000, help="documents a second")
     parser.add_argument("--keys", type=int, default=20_000, help="document ids")
     parser.add_argument("--workdir", type=Path, default=None, help="kept; default: a temp dir")
+    parser.add_argument(
+        "--power-cuts", type=float, default=0.0, help="share of the kills that cut the power"
+    )
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="indexer-soak-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -299,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rate,
         args.keys,
         say=lambda line: print(line, flush=True),
+        power_cuts=args.power_cuts,
     )
     print(report.summary(), flush=True)
     if report.ok and args.workdir is None:
