@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from indexer.router.documents import Document
 from tests.e2e.conftest import WAIT_S, Daemon, Router, free_port, model, write_config
-from tests.e2e.test_postgres_source import LOGICAL, dsn, run
-from tests.harness import Postgres, find_postgres
+from tests.e2e.test_postgres_source import dsn, pg, run  # noqa: F401 (pg: the fixture)
+from tests.harness import Postgres
 
 pytestmark = pytest.mark.e2e
 
@@ -252,29 +252,16 @@ def transactions(draw: st.DrawFn) -> Transaction:
 # The server, the table, the processes
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Postgres]:
-    bindir = find_postgres()
-    assert bindir is not None, (
-        "PostgreSQL's initdb and postgres are not installed: `make test` installs the Debian "
-        "package postgresql"
-    )
-    postgres = Postgres(bindir, settings=LOGICAL)
-    postgres.start()
-    yield postgres
-    postgres.stop()
-
-
 @pytest.fixture
-def items(server: Postgres) -> Iterator[str]:
+def items(pg: Postgres) -> Iterator[str]:  # noqa: F811 (the fixture)
     """A fresh database with the table `items`; its DSN."""
-    server.query(f"DROP DATABASE IF EXISTS {DATABASE}")
-    server.query(f"CREATE DATABASE {DATABASE}")
-    url = dsn(server, DATABASE)
+    pg.query(f"DROP DATABASE IF EXISTS {DATABASE}")
+    pg.query(f"CREATE DATABASE {DATABASE}")
+    url = dsn(pg, DATABASE)
     run(url, TABLE)
     run(url, STORAGE)
     yield url
-    conn = psycopg2.connect(dsn(server, "postgres"))
+    conn = psycopg2.connect(dsn(pg, "postgres"))
     conn.autocommit = True
     with conn.cursor() as cur:
         cur.execute(

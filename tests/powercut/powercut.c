@@ -143,39 +143,36 @@ static int exists_at(int dirfd, const char *path) {
     return r;
 }
 
-#define OPEN_LIKE(name)                                                        \
-    int name(const char *path, int flags, ...) {                                   \
-        static int (*real)(const char *, int, ...);                                \
-        if (real == NULL) real = dlsym(RTLD_NEXT, #name);                          \
-        mode_t mode = 0;                                                           \
-        if (flags & (O_CREAT | O_TMPFILE)) {                                       \
-            va_list args;                                                          \
-            va_start(args, flags);                                                 \
-            mode = va_arg(args, mode_t);                                           \
-            va_end(args);                                                          \
-        }                                                                          \
-        int existed = (flags & O_CREAT) ? exists_at(AT_FDCWD, path) : 1;           \
-        return opened(AT_FDCWD, path, flags, real(path, flags, mode), existed);    \
+/* The mode argument of an open that may create (va_start needs the last named argument). */
+#define MODE_OF(flags, mode)                    \
+    mode_t mode = 0;                            \
+    if ((flags) & (O_CREAT | O_TMPFILE)) {      \
+        va_list args;                           \
+        va_start(args, flags);                  \
+        mode = va_arg(args, mode_t);            \
+        va_end(args);                           \
     }
-OPEN_LIKE(open)
-OPEN_LIKE(open64)
 
-#define OPENAT_LIKE(name)                                                          \
-    int name(int dirfd, const char *path, int flags, ...) {                        \
-        static int (*real)(int, const char *, int, ...);                           \
-        if (real == NULL) real = dlsym(RTLD_NEXT, #name);                          \
-        mode_t mode = 0;                                                           \
-        if (flags & (O_CREAT | O_TMPFILE)) {                                       \
-            va_list args;                                                          \
-            va_start(args, flags);                                                 \
-            mode = va_arg(args, mode_t);                                           \
-            va_end(args);                                                          \
-        }                                                                          \
-        int existed = (flags & O_CREAT) ? exists_at(dirfd, path) : 1;              \
+#define OPENAT_LIKE(name)                                                           \
+    int name(int dirfd, const char *path, int flags, ...) {                         \
+        static int (*real)(int, const char *, int, ...);                            \
+        if (real == NULL) real = dlsym(RTLD_NEXT, #name);                           \
+        MODE_OF(flags, mode)                                                        \
+        int existed = (flags & O_CREAT) ? exists_at(dirfd, path) : 1;               \
         return opened(dirfd, path, flags, real(dirfd, path, flags, mode), existed); \
     }
 OPENAT_LIKE(openat)
 OPENAT_LIKE(openat64)
+
+int open(const char *path, int flags, ...) {
+    MODE_OF(flags, mode)
+    return openat(AT_FDCWD, path, flags, mode);
+}
+
+int open64(const char *path, int flags, ...) {
+    MODE_OF(flags, mode)
+    return openat64(AT_FDCWD, path, flags, mode);
+}
 
 int creat(const char *path, mode_t mode) { return open(path, O_CREAT | O_WRONLY | O_TRUNC, mode); }
 int creat64(const char *path, mode_t mode) { return open(path, O_CREAT | O_WRONLY | O_TRUNC, mode); }

@@ -101,22 +101,26 @@ def test_a_cut_loses_exactly_what_was_not_durable(layer: PowerLoss) -> None:
     assert layer.cut().bytes_lost == 0 and contents(layer.root)["a.bin"] == b"a" * 100
 
 
-# LevelDB under the layer: batches without sync until its memtable (64 KiB here) is switched to
-# a new log, then one synchronous write, acknowledged; the process is killed at once, before
-# the background compaction writes the old memtable out. `fix` runs the project's ClosedLogs
-# after the synchronous write, as IndexStore.sync and SourceLog.append do.
+# LevelDB under the layer: batches without sync until its memtable (1 MiB here) is switched to
+# a new log, then at once one synchronous write, acknowledged, and the process killed: the
+# background compaction is still writing the old memtable out. `fix` runs the project's
+# ClosedLogs after the synchronous write, as IndexStore.sync and SourceLog.append do.
 LEVELDB = """
 import plyvel
 from pathlib import Path
 from indexer.storage import ClosedLogs
-db = plyvel.DB(ROOT + "/db", create_if_missing=True, write_buffer_size=64 << 10)
-logs = ClosedLogs(Path(ROOT) / "db")
+path = Path(ROOT) / "db"
+db = plyvel.DB(str(path), create_if_missing=True, write_buffer_size=1 << 20)
+logs = ClosedLogs(path)
+before = set(path.glob("*.log"))
 for i in range(ROUND * 3000, ROUND * 3000 + 3000):
-    db.put(b"k%08d" % i, b"v" * 100)
+    db.put(b"k%08d" % i, b"v" * 1000)
+    if set(path.glob("*.log")) - before:
+        break
 db.put(b"marker%d" % ROUND, b"", sync=True)
 if FIX:
     logs.sync()
-print("acknowledged", flush=True)
+print("acknowledged", i, flush=True)
 """
 
 
@@ -127,14 +131,14 @@ def test_leveldb_loses_what_a_closed_log_held_unless_closed_logs_are_synced(
     lost_rounds = 0
     for round_ in range(6):
         script = f"ROUND = {round_}\nFIX = {fix}\n" + LEVELDB
-        assert "acknowledged" in run_killed(layer, script)
+        out = run_killed(layer, script).split()
+        assert out[0] == "acknowledged", out
+        last = int(out[1])
         layer.cut()
         db = plyvel.DB(str(layer.root / "db"))
         try:
             assert db.get(b"marker%d" % round_) == b""  # the synchronous write survived
-            missing = sum(
-                db.get(b"k%08d" % i) is None for i in range(round_ * 3000, round_ * 3000 + 3000)
-            )
+            missing = sum(db.get(b"k%08d" % i) is None for i in range(round_ * 3000, last + 1))
         finally:
             db.close()
         lost_rounds += missing > 0
