@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,9 +62,10 @@ class CrashLoopReport:
     """What a crash loop did and found; `ok` when nothing was lost or wrong."""
 
     seed: int
-    kills: int = 0  # SIGKILLs of the daemon followed by a successful restart
+    scenario: str = "daemon"  # what was killed: see tests/e2e/soak.py
+    kills: int = 0  # SIGKILLs followed by a successful restart
     kills_in_recovery: int = 0  # of which before the daemon listened
-    power_cuts: int = 0  # of which the unsynced writes were undone too
+    power_cuts: int = 0  # kills (of any process) whose unsynced writes were undone too
     router_kills: int = 0
     documents: int = 0
     seconds: float = 0.0
@@ -72,6 +74,10 @@ class CrashLoopReport:
     # Per index: rows of the request_plus scan, then of the dump, that differ from the model.
     scan_mismatches: dict[str, int] = field(default_factory=dict)
     dump_mismatches: dict[str, int] = field(default_factory=dict)
+    # Over every index's final dump (else its scan): model rows absent, and rows the model
+    # does not have (a phantom: a version never sent, or one already replaced or deleted).
+    missing: int = 0
+    phantoms: int = 0
     failure: str | None = None  # why the loop stopped early (a daemon that did not restart...)
 
     @property
@@ -80,16 +86,30 @@ class CrashLoopReport:
 
     @property
     def ok(self) -> bool:
-        return self.failure is None and not self.lost_acknowledged and self.mismatches == 0
+        return (
+            self.failure is None
+            and not self.lost_acknowledged
+            and self.mismatches == self.missing == self.phantoms == 0
+        )
+
+    def compare(
+        self, got: dict[str, list[dict[str, Any]]], want: dict[str, list[dict[str, Any]]]
+    ) -> None:
+        """Count the final rows missing and phantom, per index (`got` and `want` by name)."""
+        for name, rows in want.items():
+            missing, phantoms = missing_and_phantoms(got[name], rows)
+            self.missing += missing
+            self.phantoms += phantoms
 
     def summary(self) -> str:
         lines = [
-            f"crash loop (seed {self.seed}): {self.kills} kills survived "
+            f"{self.scenario} crash loop (seed {self.seed}): {self.kills} kills survived "
             f"({self.kills_in_recovery} during recovery, {self.power_cuts} power cuts), "
             f"{self.router_kills} router kills, "
             f"{self.documents} documents in {self.seconds:.0f} s",
             f"mismatches: {self.mismatches} (scans {self.scan_mismatches}, "
-            f"dumps {self.dump_mismatches})",
+            f"dumps {self.dump_mismatches}); rows missing {self.missing}, "
+            f"phantom {self.phantoms}",
             f"acknowledged data lost at restart: {len(self.lost_acknowledged)}",
         ]
         lines += [f"  {line}" for line in self.lost_acknowledged]
@@ -107,6 +127,13 @@ def differing_rows(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> int
     b = [json.dumps(r, sort_keys=True) for r in want]
     common = sum(1 for x, y in zip(a, b, strict=False) if x == y)
     return len(a) + len(b) - 2 * common
+
+
+def missing_and_phantoms(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> tuple[int, int]:
+    """Rows of `want` absent from `got`, and rows of `got` absent from `want` (as multisets)."""
+    a = Counter(json.dumps(r, sort_keys=True) for r in got)
+    b = Counter(json.dumps(r, sort_keys=True) for r in want)
+    return sum((b - a).values()), sum((a - b).values())
 
 
 class Writer:
@@ -203,12 +230,16 @@ def run_crash_loop(
     report = CrashLoopReport(seed)
     started = time.monotonic()
     port = free_port()
-    layer = None
+    layer = router_layer = None
     data = workdir / "data"
+    router_state = workdir / "router"
     if power_cuts:
+        # Two machines: the daemon's and the router's, each losing its own unsynced writes.
         library = build_library(workdir / "powercut-lib")
         layer = PowerLoss(library, workdir / "disk", workdir / "powercut")
         data = layer.root / "data"
+        router_layer = PowerLoss(library, workdir / "router-disk", workdir / "router-powercut")
+        router_state = router_layer.root / "router"
     config = write_config(workdir / "indexer.toml", data, port, **DAEMON_CONFIG)
     daemon = Daemon(config, workdir / "daemon.log", port)
     if layer is not None:
@@ -225,13 +256,14 @@ def run_crash_loop(
     writer = Writer(jsonl, rng.getrandbits(32), rate, keys)
     writer.append(rate)  # a second's worth before anything runs
     router_args = [
-        "--state", str(workdir / "router"), "--jsonl", str(jsonl), "--follow",
+        "--state", str(router_state), "--jsonl", str(jsonl), "--follow",
         "--to", daemon.address,
     ]  # fmt: skip
     routers: list[Router] = []
 
     def new_router() -> Router:
-        router = Router(workdir / f"router{len(routers)}.log", *router_args)
+        env = None if router_layer is None else router_layer.env()
+        router = Router(workdir / f"router{len(routers)}.log", *router_args, env=env)
         routers.append(router)
         return router
 
@@ -261,6 +293,9 @@ def run_crash_loop(
                 router.proc.kill()
                 router.proc.wait()
                 report.router_kills += 1
+                if router_layer is not None and rng.random() < power_cuts:
+                    router_layer.cut()
+                    report.power_cuts += 1
                 router = new_router()
                 connections = 0
             time.sleep(rng.uniform(0.0, 1.0))
@@ -282,9 +317,11 @@ def run_crash_loop(
         code = daemon.stop()
         if code != 0:
             report.failure = f"the daemon exited {code} on SIGTERM"
+        dumped = {name: dump(daemon, name) for name in INDEXES}
         report.dump_mismatches = {
-            name: differing_rows(dump(daemon, name), want[name]) for name in INDEXES
+            name: differing_rows(dumped[name], want[name]) for name in INDEXES
         }
+        report.compare(dumped, want)
     except AssertionError as exc:  # a daemon that did not restart, a scan that failed
         report.failure = str(exc)[-4000:]
     finally:
