@@ -726,6 +726,8 @@ class _StreamReader:
         # cut being appended): where an unchanged TOASTed value is taken from first.
         self.unsynced: dict[str, Document] = {}
         self.in_flight = 0  # cuts handed over and not appended yet
+        # The end of the last transaction with nothing to append read while cuts were in flight.
+        self.confirm_when_appended = position.lsn
         self._appended = trio.Event()
         self.idle = False  # the stream had nothing more when the last cut was handed over
         # The transaction being read: its commit LSN and time, its changes so far, and how many
@@ -743,7 +745,9 @@ class _StreamReader:
             if unsynced.get(document.docid) is document:
                 del unsynced[document.docid]
         self.in_flight -= 1
-        self.confirmed = confirmed
+        self.confirmed = max(self.confirmed, confirmed)
+        if not self.in_flight:
+            self.confirmed = max(self.confirmed, self.confirm_when_appended)
         self._appended.set()
         self._appended = trio.Event()
 
@@ -831,7 +835,13 @@ class _StreamReader:
                 self.follower.progress.transactions += 1
                 self.pending_position = Position(self.txn_lsn)
             elif self.pending_position is None:
-                self.confirmed = max(self.confirmed, message.end_lsn)  # nothing of it to append
+                # Nothing of it to append (held already, or no change of the table: before
+                # PostgreSQL 15 every transaction comes, empty ones too). It may be confirmed
+                # once every earlier cut is in the log, not while one is being appended.
+                if self.in_flight:
+                    self.confirm_when_appended = max(self.confirm_when_appended, message.end_lsn)
+                else:
+                    self.confirmed = max(self.confirmed, message.end_lsn)
                 return
             self.pending_confirm = message.end_lsn
             if len(self.pending) >= MAX_PENDING:
