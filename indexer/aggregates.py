@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from indexer.keys import MISSING, collate
-from indexer.scans import EntryBatch, json_text
+from indexer.scans import EntryBatch, json_text, key_names
 
 FUNCTIONS = ("count", "count_distinct", "min", "max", "sum", "avg")
 _CALL = re.compile(r"^(count|count_distinct|min|max|sum|avg)(?:\((.+)\))?$")
@@ -38,7 +38,9 @@ class Aggregate:
 
 
 def parse_aggregates(text: str, paths: Sequence[str]) -> list[Aggregate]:
-    """`count,min(age),avg(age)`: comma-separated functions of the index's key paths."""
+    """`count,min(age),avg(age)`: comma-separated functions of the index's keys, each named
+    by its path, its text or its column name (`scans.key_names`)."""
+    names = key_names(paths)
     out = []
     for item in (part.strip() for part in text.split(",")):
         found = _CALL.match(item)
@@ -53,10 +55,11 @@ def parse_aggregates(text: str, paths: Sequence[str]) -> list[Aggregate]:
                 raise AggregateError(f"aggregates: {function} needs a key path: {function}(PATH)")
             out.append(Aggregate("count", -1, "count"))
             continue
-        if path not in paths:
+        position = names.get(path.strip())
+        if position is None:
             keys = ", ".join(paths)
             raise AggregateError(f"aggregates: {path!r} is not a key of the index ({keys})")
-        out.append(Aggregate(function, paths.index(path), f"{function}({path})"))
+        out.append(Aggregate(function, position, f"{function}({path})"))
     if not out or len({a.name for a in out}) != len(out):
         raise AggregateError("aggregates: one or more, each once")
     return out

@@ -9,6 +9,7 @@ is the first byte string after every entry whose key starts with prefix P.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -452,6 +453,22 @@ def _slices(entries: list[bytes], starts: Any, lengths: Any) -> Iterator[tuple[b
 def column_names(keys: Sequence[str]) -> list[str]:
     """Spark-friendly column names of an index's keys (`expressions.column_name`)."""
     return [column_name(key) for key in keys]
+
+
+_DIRECTION = re.compile(r"\s+(?:ASC|DESC)\s*$", re.IGNORECASE)
+
+
+def key_names(keys: Sequence[str]) -> dict[str, int]:
+    """Every name a key answers to, with its position: its text (`age DESC`), its text without
+    the direction (`age`), and its column name (`LOWER_name`). The first key wins a name that
+    two share."""
+    names: dict[str, int] = {}
+    for position, key in reversed(list(enumerate(keys))):
+        names[column_name(key)] = position
+        names[_DIRECTION.sub("", key)] = position
+    for position, key in reversed(list(enumerate(keys))):
+        names[key] = position  # a key's own text before any other key's other names
+    return names
 
 
 # --------------------------------------------------------------------------------------------

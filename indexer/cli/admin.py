@@ -455,8 +455,8 @@ def _scan_cluster(
     metavar="NAME",
     default="count",
     show_default=True,
-    help="Comma-separated: count, and count_distinct, min, max, sum, avg of a key path, like "
-    "count,avg(age).",
+    help="Comma-separated: count, and count_distinct, min, max, sum, avg of a key (its path, "
+    "its text or its column name), like count,avg(age).",
 )
 def aggregate(
     name: str,

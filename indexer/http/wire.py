@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl
 import pyarrow as pa
 
 from indexer.client import ARROW_STREAM, JSON
-from indexer.scans import EntryBatch, Row, column_names, json_encode, typed_columns
+from indexer.scans import EntryBatch, Row, json_encode, key_names, typed_columns
 
 ARROW = ARROW_STREAM  # the media types and header names are the clients' too
 
@@ -143,9 +143,7 @@ def _projection(query: dict[str, str], paths: Sequence[str]) -> Projection:
     if "fields" not in query:
         return Projection(tuple(range(len(paths))))
     names = [n.strip() for n in query["fields"].split(",")]
-    # A key is named by its text (`LOWER(name)`) or its column name (`LOWER_name`).
-    columns = column_names(paths)
-    known = {**{c: j for j, c in enumerate(columns)}, **{p: j for j, p in enumerate(paths)}}
+    known = key_names(paths)
     unknown = [n for n in names if n != "id" and n not in known]
     positions = tuple(known[n] for n in names if n != "id" and n in known)
     if not names or unknown or len(set(positions)) != len(positions) or names.count("id") > 1:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from indexer import protocol as p
 from indexer.aggregates import AggregateError, aggregate, decoded_values, parse_aggregates
 from indexer.keys import MISSING, collate, encode_key
-from indexer.scans import KeyRange, entry_batches
+from indexer.scans import KeyRange, entry_batches, key_names
 from indexer.storage import IndexStore
 from workers.flush import BackIndexCache, IndexWriter
 
@@ -84,6 +84,26 @@ def test_a_bad_request_says_what_is_wrong() -> None:
     ):
         with pytest.raises(AggregateError, match=message):
             parse_aggregates(text, PATHS)
+
+
+def test_a_key_is_named_by_its_path_its_text_or_its_column_name() -> None:
+    keys = ["DISTINCT ARRAY t FOR t IN tags END", "age DESC", "LOWER(name)"]
+    for text, position in (
+        ("min(age)", 1),
+        ("min(age DESC)", 1),
+        ("count_distinct(tags)", 0),
+        ("count_distinct(DISTINCT ARRAY t FOR t IN tags END)", 0),
+        ("max(LOWER(name))", 2),
+        ("max(LOWER_name)", 2),
+    ):
+        (parsed,) = parse_aggregates(text, keys)
+        assert parsed.position == position, text
+        assert parsed.name == text  # the answer's column is named as asked
+    assert key_names(["address.city DESC"]) == {
+        "address.city DESC": 0,
+        "address.city": 0,
+        "address_city": 0,
+    }
 
 
 @settings(max_examples=40, deadline=None)
