@@ -27,6 +27,7 @@ from indexer.cli.common import (
     log_options,
 )
 from indexer.config import TOKEN_ENV
+from indexer.routes import ROUTER_ROUTES, routes_help
 
 if TYPE_CHECKING:
     from indexer.router.feed import FeedSecurity
@@ -313,7 +314,7 @@ def _feed_state(
     _report(result)
 
 
-@click.command()
+@click.command(epilog="HTTP routes (--http):\n\n" + routes_help(ROUTER_ROUTES))
 @click.option(
     "--state",
     type=DIR,
@@ -335,7 +336,7 @@ def _feed_state(
     "--http",
     "http_address",
     metavar="HOST:PORT",
-    help="Serve PUT/DELETE /docs/ID, GET /stats and POST /failover/VB here (port 0: any).",
+    help="Serve the HTTP routes below here (port 0: any).",
 )
 @click.option(
     "--vbuckets",

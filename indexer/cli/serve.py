@@ -23,9 +23,10 @@ from indexer.cli.common import (
     fail,
     log_options,
 )
+from indexer.routes import DAEMON_ROUTES, routes_help
 
 
-@click.command()
+@click.command(epilog="HTTP routes (server.http_port):\n\n" + routes_help(DAEMON_ROUTES))
 @log_options
 @click.option("--config", "config_file", metavar="FILE", type=FILE, help=SERVE_CONFIG_HELP)
 @click.option("--data-dir", metavar="DIR", type=DIR, help="Overrides server.data_dir.")

@@ -57,6 +57,7 @@ from indexer.router.postgres import PostgresError, PostgresOptions, TableFollowe
 from indexer.router.shard_input import follow_parent_stdio
 from indexer.router.source import SourceError, SourceLog, describe_vbuckets
 from indexer.router.workload import Workload, generate, paced
+from indexer.routes import ROUTER_ROUTES
 
 log = logging.getLogger("indexer.router")
 
@@ -434,10 +435,8 @@ class DocsApi:
         if path == BULK_PATH and method == "POST":  # PUT and DELETE: the document "_bulk"
             return await self.bulk_append(scope, receive)
         if not path.startswith("/docs/"):
-            return 404, {
-                "error": "not found: the routes are PUT and DELETE /docs/ID, POST /docs/_bulk, "
-                "POST /failover/VB, GET /stats and GET /metrics"
-            }
+            routes = ", ".join(f"{r.method} {r.path}" for r in ROUTER_ROUTES)
+            return 404, {"error": f"not found: the routes are {routes}"}
         docid = path[len("/docs/") :]
         if method not in ("PUT", "DELETE"):
             return 405, {"error": f"{method} is not allowed here: PUT or DELETE"}

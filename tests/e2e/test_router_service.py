@@ -15,6 +15,7 @@ import pytest
 from indexer.collector import THRESHOLDS
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
+from indexer.routes import DAEMON_ROUTES, ROUTER_ROUTES
 from indexer.storage import COMPACTION_NICE
 from tests.e2e.conftest import (
     WAIT_S,
@@ -232,3 +233,54 @@ def test_bad_router_commands_fail_with_one_line(tmp_path: Path) -> None:
         )
         assert result.returncode == 2, result.stderr
         assert message in result.stderr, result.stderr
+
+
+def test_every_route_the_help_lists_is_served(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    """Each route of `indexer serve --help` and `indexer router --help` (indexer/routes.py)
+    answers a request as it should: no route is listed that is not served."""
+    daemon = daemon_factory().start()
+    router = routers(
+        "--state", str(tmp_path / "state"), "--to", daemon.address, "--http", "127.0.0.1:0"
+    )  # fmt: skip
+    url = router.wait_url()
+    bodies: dict[tuple[str, str], Any] = {
+        ("PUT", "/docs/ID"): {"age": 30},
+        ("POST", "/indexes"): {"name": "by_zip", "keys": ["zip"], "defer_build": True},
+        ("POST", "/indexes/_build"): {"indexes": ["by_zip"]},
+        ("POST", "/snapshots/pin"): {"snapshot": "persisted", "lease_s": 60},
+        ("POST", "/snapshots/ID/renew"): {"lease_s": 60},
+    }
+    answered: dict[str, int] = {}
+    failed: list[str] = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for route in ROUTER_ROUTES:
+            vb = vbucket_of(b"user::1", 1024)  # a failover keeping all its history
+            path = route.path.replace("/ID", "/user::1").replace("/VB", f"/{vb}")
+            if route.path == "/docs/_bulk":
+                answer = client.post(path, content=b'{"id": "b1", "doc": {"age": 3}}\n')
+            else:
+                answer = client.request(
+                    route.method, path, json=bodies.get((route.method, route.path))
+                )
+            answered[f"router {route.method} {route.path}"] = answer.status_code
+            failed += [] if answer.status_code < 300 else [f"{route.path}: {answer.text}"]
+        unknown = client.put("/other", json={})
+        assert all(f"{r.method} {r.path}" in unknown.json()["error"] for r in ROUTER_ROUTES)
+    wait_equal(daemon, [Document("user::1", None), Document("b1", {"age": 3})])
+    pin = httpx.post(f"{daemon.url}/snapshots/pin", json={"lease_s": 60}).json()["id"]
+    with httpx.Client(base_url=daemon.url, timeout=60) as client:
+        for route in DAEMON_ROUTES:
+            if route.path == "/indexes/NAME" and route.method == "DELETE":
+                continue  # last, below: the other routes read the index
+            path = route.path.replace("NAME", "by_city").replace("/docs/ID", "/docs/b1")
+            path = path.replace("/snapshots/ID", f"/snapshots/{pin}")
+            body = bodies.get((route.method, route.path))
+            answer = client.request(route.method, path, json=body)
+            answered[f"daemon {route.method} {route.path}"] = answer.status_code
+        dropped = client.delete("/indexes/by_zip")
+        answered["daemon DELETE /indexes/NAME"] = dropped.status_code
+    assert failed == [], answered
+    assert len(answered) == len(ROUTER_ROUTES) + len(DAEMON_ROUTES)
+    assert router.stop() == 0 and daemon.stop() == 0
