@@ -65,15 +65,15 @@ FUZZ_SECONDS ?= 60
 fuzz: $(STAMP)
 	$(BIN)/python fuzz/frame_decoder.py -max_total_time=$(FUZZ_SECONDS)
 
-# The long crash loop (tests/e2e/crashloop.py): the daemon killed with SIGKILL SOAK_KILLS times
-# (and for at least SOAK_SECONDS) under a running feed, a SOAK_POWER share of the kills power
+# The long soak (tests/e2e/soak.py): SOAK_FAULTS SIGKILLs across daemons, routers, router shards
+# and a PostgreSQL source, each scenario under its own feed, a SOAK_POWER share of them power
 # cuts (every write not fsynced undone: tests/powercut, compiled with the machine's C compiler);
-# prints the kills and cuts survived and the mismatches with the model, and fails unless there
-# are none.
-SOAK_KILLS ?= 200
-SOAK_SECONDS ?= 0
+# prints faults, cuts, documents, rows missing and phantom, and fails unless all are clean.
+# SOAK_ONLY=daemon (or shards, postgres) runs one scenario with its share of the faults.
+SOAK_FAULTS ?= 1000
 SOAK_SEED ?= 1
 SOAK_POWER ?= 0.5
+SOAK_ONLY ?=
 .PHONY: soak
 soak: $(STAMP)
-	$(BIN)/python -m tests.e2e.crashloop --kills $(SOAK_KILLS) --seconds $(SOAK_SECONDS) --seed $(SOAK_SEED) --power-cuts $(SOAK_POWER)
+	$(BIN)/python -m tests.e2e.soak --faults $(SOAK_FAULTS) --seed $(SOAK_SEED) --power-cuts $(SOAK_POWER) $(if $(SOAK_ONLY),--only $(SOAK_ONLY))

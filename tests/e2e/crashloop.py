@@ -63,10 +63,10 @@ class CrashLoopReport:
 
     seed: int
     scenario: str = "daemon"  # what was killed: see tests/e2e/soak.py
-    kills: int = 0  # SIGKILLs followed by a successful restart
+    kills: int = 0  # SIGKILLs of the daemon followed by a successful restart
     kills_in_recovery: int = 0  # of which before the daemon listened
     power_cuts: int = 0  # kills (of any process) whose unsynced writes were undone too
-    router_kills: int = 0
+    router_kills: int = 0  # of a router, whole or one shard
     documents: int = 0
     seconds: float = 0.0
     # Restarts whose persisted seqno sum was below one /stats showed before the kill.
@@ -79,6 +79,11 @@ class CrashLoopReport:
     missing: int = 0
     phantoms: int = 0
     failure: str | None = None  # why the loop stopped early (a daemon that did not restart...)
+
+    @property
+    def faults(self) -> int:
+        """Every SIGKILL survived, of any process."""
+        return self.kills + self.router_kills
 
     @property
     def mismatches(self) -> int:
