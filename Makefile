@@ -76,4 +76,4 @@ SOAK_POWER ?= 0.5
 SOAK_ONLY ?=
 .PHONY: soak
 soak: $(STAMP)
-	$(BIN)/python -m tests.e2e.soak --faults $(SOAK_FAULTS) --seed $(SOAK_SEED) --power-cuts $(SOAK_POWER) $(if $(SOAK_ONLY),--only $(SOAK_ONLY))
+	$(BIN)/python -m tests.e2e.soak --parallel --faults $(SOAK_FAULTS) --seed $(SOAK_SEED) --power-cuts $(SOAK_POWER) $(if $(SOAK_ONLY),--only $(SOAK_ONLY))

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.e2e.crashloop import CrashLoopReport, run_crash_loop
@@ -76,8 +77,8 @@ def summary(reports: list[CrashLoopReport], seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the scenarios one after the other; print each report and the total; exit 1 unless
-    every one is clean."""
+    """Run the scenarios one after the other (or at once); print each report and the total;
+    exit 1 unless every one is clean."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--faults", type=int, default=1000, help="kills in all (default 1000)")
     parser.add_argument("--seed", type=int, default=1)
@@ -90,25 +91,30 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="run only this scenario, with its share of --faults (repeatable)",
     )
+    parser.add_argument(
+        "--parallel", action="store_true", help="run the scenarios at the same time"
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="kept; default: a temp dir")
     args = parser.parse_args(argv)
     names = args.only or list(SHARES)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="indexer-soak-"))
     started = time.monotonic()
-    reports = []
-    for name in names:
+
+    def scenario(name: str) -> CrashLoopReport:
         faults = max(1, round(args.faults * SHARES[name]))
         print(f"{name}: {faults} faults in {workdir / name}", flush=True)
         report = run_scenario(
-            name,
-            workdir / name,
-            faults,
-            args.seed,
-            args.power_cuts,
-            prefixed(name),
+            name, workdir / name, faults, args.seed, args.power_cuts, prefixed(name)
         )
         print(report.summary(), flush=True)
-        reports.append(report)
+        return report
+
+    if args.parallel:
+        # Each scenario's processes are its own: threads here only start, kill and poll them.
+        with ThreadPoolExecutor(len(names)) as pool:
+            reports = list(pool.map(scenario, names))
+    else:
+        reports = [scenario(name) for name in names]
     print(summary(reports, time.monotonic() - started), flush=True)
     ok = all(r.ok for r in reports)
     if ok and args.workdir is None:
