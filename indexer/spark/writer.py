@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import urllib.parse
 import zlib
@@ -49,6 +50,7 @@ RETRY_MIN_S = 0.2
 RETRY_MAX_S = 5.0
 RETRY_STATUSES = (502, 503)  # and no answer at all
 SKIPPED_SAMPLE = 5  # skipped rows whose reason a task keeps for the log
+_REQUEST_LINE = re.compile(r"^line:\d+: ")  # how the router names a line of its request
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ class IndexerCommit(WriterCommitMessage):
 class _Pending:
     lines: list[bytes] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # each line's row number in the task
     size: int = 0
 
 
@@ -223,23 +226,26 @@ class IndexerWriter(DataSourceArrowWriter):
         task = context.partitionId() if context is not None else 0
         commit = IndexerCommit()
         pending: dict[str, _Pending] = {}
+        number = 0  # of the row in the task
         for batch in iterator:
             for row in lines_of(self.shape, batch.to_pylist()):
+                number += 1
                 if row.line is None:
-                    self._bad(commit, row.error)
+                    self._bad(commit, f"partition {task}, row {number}: {row.error}")
                     continue
                 url = self.owners.target(row.docid, task)
                 part = pending.setdefault(url, _Pending())
                 part.lines.append(row.line)
                 part.ids.append(row.docid)
+                part.rows.append(number)
                 part.size += len(row.line)
                 if (
                     len(part.lines) >= self.options.batch_rows
                     or part.size >= self.options.batch_bytes
                 ):
-                    self._post(url, pending.pop(url), commit)
+                    self._post(url, pending.pop(url), commit, task)
         for url, part in pending.items():
-            self._post(url, part, commit)
+            self._post(url, part, commit, task)
         if commit.skipped:
             log.warning(
                 "indexer writer: task %d skipped %d bad rows (on_error=skip); the first: %s",
@@ -254,8 +260,10 @@ class IndexerWriter(DataSourceArrowWriter):
         if len(commit.skipped_sample) < SKIPPED_SAMPLE:
             commit.skipped_sample.append(error)
 
-    def _post(self, url: str, part: _Pending, commit: IndexerCommit) -> None:
-        """Post the lines, and again those the router could not take for now, until timeout."""
+    def _post(self, url: str, part: _Pending, commit: IndexerCommit, task: int) -> None:
+        """Post the lines, and again those the router could not take for now, until timeout.
+        A refused line is named by its row in the task and its id, never by its line in the
+        request (which the user never sees)."""
         params = {
             "wait": self.options.wait,
             "timeout": f"{self.options.timeout:g}",
@@ -263,7 +271,7 @@ class IndexerWriter(DataSourceArrowWriter):
         }
         deadline = time.monotonic() + self.options.timeout
         backoff = RETRY_MIN_S
-        lines, ids = part.lines, part.ids
+        lines, ids, rows = part.lines, part.ids, part.rows
         while lines:
             again: list[int] = []
             try:
@@ -284,13 +292,19 @@ class IndexerWriter(DataSourceArrowWriter):
             else:
                 commit.requests += 1
                 refused: set[int] = set()
+                first_retry = ""
                 for item in answer["items"]:
                     i = item["line"] - 1
                     refused.add(i)
+                    reason = _REQUEST_LINE.sub("", item["error"])
                     if item.get("retry"):
                         again.append(i)
+                        first_retry = first_retry or reason
                     else:
-                        self._bad(commit, f"row with id {ids[i]!r}: {item['error']}")
+                        self._bad(
+                            commit,
+                            f"partition {task}, row {rows[i]}: row with id {ids[i]!r}: {reason}",
+                        )
                 commit.documents += answer["appended"]
                 commit.deletes += sum(
                     1
@@ -300,13 +314,14 @@ class IndexerWriter(DataSourceArrowWriter):
                 if again and time.monotonic() + backoff > deadline:
                     raise IndexerSourceError(
                         f"writing to {url}: {len(again)} rows not taken within "
-                        f"{self.options.timeout:g} s: {answer['items'][again[0]]['error']}"
+                        f"{self.options.timeout:g} s: {first_retry}"
                     )
             if again:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
             lines = [lines[i] for i in again]
             ids = [ids[i] for i in again]
+            rows = [rows[i] for i in again]
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         done = [m for m in messages if isinstance(m, IndexerCommit)]

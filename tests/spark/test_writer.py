@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -225,6 +226,10 @@ def test_a_bad_row_fails_the_job_with_its_id_and_reason_unless_skipped(
     message = error_message(failed.value)
     assert "row with id" in message and ("'j50'" in message or "None" in message), message
     assert "NaN" in message or "is null" in message, message
+    # Named by its row in its task (which of the two partitions holds it is Spark's choice),
+    # never by a line of the writer's own request.
+    assert re.search(r"partition [01], row \d+: row with id", message), message
+    assert "line:" not in message, message
     failed_before = node.bulk()["failed"]
     write(df, node.url, id="key", doc="body", on_error="skip", wait="visible")
     assert node.bulk()["failed"] == failed_before + 1  # the NaN line; the null id never left
