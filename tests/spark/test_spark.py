@@ -222,6 +222,36 @@ def test_typed_columns_by_default_equal_the_json_text_read_converted(
     assert dict(by_age.dtypes)["age"] in ("double", "bigint")  # typed is the default
 
 
+def test_null_and_missing_are_null_in_typed_columns_and_apart_in_json_text_columns(
+    spark: SparkSession, node: Node
+) -> None:
+    """The one rule (docs/spark.md): a typed column (BIGINT, DOUBLE, BOOLEAN, STRING of
+    strings) reads JSON null and MISSING both as NULL; a column of JSON text (every column with
+    columns=json, and one whose position holds several types) reads null as 'null' and MISSING
+    as NULL."""
+    node.feed(
+        [
+            Document("nulls-a", {"address": {"city": "Zz"}, "age": None}),
+            Document("nulls-b", {"address": {"city": "Zz"}}),  # age MISSING
+            Document("nulls-c", {"address": {"city": None}, "age": 4}),
+        ]
+    )
+    url = node.daemon.url
+
+    def rows(columns: str) -> dict[str, tuple[Any, Any]]:
+        df = read(spark, url=url, index="by_city", columns=columns)
+        picked = df.where(df.id.startswith("nulls-")).collect()
+        return {r.id: (r.address_city, r.age) for r in picked}
+
+    typed = rows("typed")
+    assert typed == {"nulls-a": ("Zz", None), "nulls-b": ("Zz", None), "nulls-c": (None, 4)}
+    assert rows("json") == {
+        "nulls-a": ('"Zz"', "null"),
+        "nulls-b": ('"Zz"', None),
+        "nulls-c": ("null", "4"),
+    }
+
+
 def test_a_user_schema_converts_values_and_those_that_do_not_fit_are_null(
     spark: SparkSession, node: Node
 ) -> None:
