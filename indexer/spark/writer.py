@@ -21,6 +21,7 @@ import urllib.parse
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
@@ -37,8 +38,8 @@ from indexer.spark.rows import RowShape, lines_of
 log = logging.getLogger("indexer.spark")
 
 WRITE_OPTIONS = (
-    "router id delete doc wait on_error nulls batch_rows batch_bytes timeout token token_file "
-    "tls tls_ca"
+    "router id delete doc wait on_error nulls batch_rows batch_bytes timeout report token "
+    "token_file tls tls_ca"
 )
 WAITS = ("persisted", "visible")
 # A bulk is one append in the router, and each append costs it some work per vbucket it
@@ -67,6 +68,9 @@ class WriterOptions:
     batch_rows: int = DEFAULT_BATCH_ROWS
     batch_bytes: int = DEFAULT_BATCH_BYTES
     timeout: float = DEFAULT_WRITE_TIMEOUT_S
+    report: str | None = (
+        None  # a file on the driver: the job's figures, written before save() returns
+    )
     access: Access = field(default_factory=Access)
 
     @classmethod
@@ -109,6 +113,7 @@ class WriterOptions:
             batch_rows=whole_option(opts, "batch_rows", 1, 1_000_000) or DEFAULT_BATCH_ROWS,
             batch_bytes=whole_option(opts, "batch_bytes", 1 << 10, 1 << 30) or DEFAULT_BATCH_BYTES,
             timeout=seconds_option(opts, "timeout", DEFAULT_WRITE_TIMEOUT_S),
+            report=opts.get("report") or None,
             access=parse_access(opts),
         )
 
@@ -331,11 +336,20 @@ class IndexerWriter(DataSourceArrowWriter):
             sum(m.documents for m in done), sum(m.deletes for m in done),
             sum(m.requests for m in done), skipped,
         )  # fmt: skip
+        sample = [s for m in done for s in m.skipped_sample][:SKIPPED_SAMPLE]
         if skipped:
-            sample = [s for m in done for s in m.skipped_sample][:SKIPPED_SAMPLE]
             log.warning(
                 "indexer writer: skipped %d bad rows; the first: %s", skipped, "; ".join(sample)
             )
+        if self.options.report is not None:
+            figures = {
+                "documents": sum(m.documents for m in done),
+                "deletes": sum(m.deletes for m in done),
+                "requests": sum(m.requests for m in done),
+                "skipped": skipped,
+                "skipped_sample": sample,
+            }
+            write_report(Path(self.options.report), figures)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         written = sum(m.documents for m in messages if isinstance(m, IndexerCommit))
@@ -344,3 +358,14 @@ class IndexerWriter(DataSourceArrowWriter):
             "it again sends them again, which is harmless (the latest version wins)",
             written,
         )
+
+
+def write_report(path: Path, figures: dict[str, Any]) -> None:
+    """The job's figures as JSON, whole or not at all (written aside, then renamed)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        aside = path.with_name(f".{path.name}.tmp")
+        aside.write_text(json.dumps(figures, indent=2) + "\n")
+        aside.replace(path)
+    except OSError as exc:
+        raise IndexerSourceError(f"report: cannot write {path}: {exc.strerror or exc}") from None

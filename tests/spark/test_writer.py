@@ -8,6 +8,7 @@ router serve the whole module.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import re
 import subprocess
@@ -215,7 +216,7 @@ def wait_equal_index(node: Node, name: str, prefix: str, want: list[dict[str, An
 
 
 def test_a_bad_row_fails_the_job_with_its_id_and_reason_unless_skipped(
-    spark: SparkSession, node: Node
+    spark: SparkSession, node: Node, tmp_path: Path
 ) -> None:
     rows = [(f"j{n}", f'{{"age": {n}, "address": {{"city": "Rome"}}}}') for n in range(200)]
     rows[50] = ("j50", '{"age": NaN}')  # the router refuses it
@@ -231,8 +232,13 @@ def test_a_bad_row_fails_the_job_with_its_id_and_reason_unless_skipped(
     assert re.search(r"partition [01], row \d+: row with id", message), message
     assert "line:" not in message, message
     failed_before = node.bulk()["failed"]
-    write(df, node.url, id="key", doc="body", on_error="skip", wait="visible")
+    report = tmp_path / "report.json"
+    write(df, node.url, id="key", doc="body", on_error="skip", wait="visible", report=str(report))
     assert node.bulk()["failed"] == failed_before + 1  # the NaN line; the null id never left
+    # The job's figures, in a file written before save() returned.
+    figures = json.loads(report.read_text())
+    assert figures["skipped"] == 2 and figures["documents"] == 198, figures
+    assert any("'j50'" in line for line in figures["skipped_sample"]), figures
     good = [
         Document(f"j{n}", {"age": n, "address": {"city": "Rome"}})
         for n in range(200)
