@@ -14,6 +14,8 @@ from hypercorn.logging import Logger as HypercornLogger
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+KEEP_ALIVE_S = 75.0  # an idle kept-alive connection's life (see serve_asgi)
+
 
 async def answer_lifespan(
     receive: Receive, send: Send, on_shutdown: Callable[[], Awaitable[None]] | None = None
@@ -58,6 +60,10 @@ async def serve_asgi(
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger(logger)
     hyper.graceful_timeout = 1.0
+    # An idle kept-alive connection is closed after this. hypercorn's default (5 s) equals
+    # httpx's idle expiry (5 s): a client reusing a connection at 5 s sent its request as the
+    # server closed it, and got no answer. Longer than common clients' expiry, as proxies do.
+    hyper.keep_alive_timeout = KEEP_ALIVE_S
     hyper.logger_class = QuietLog
     if tls is not None:
         # hypercorn wraps each connection in a trio.SSLStream (its trio.SSLListener).

@@ -25,6 +25,7 @@ SNAPSHOT_HEADER = "x-indexer-snapshot"  # the snapshot a scan read
 SEQNO_SUM_HEADER = "x-indexer-seqno-sum"  # and the sum of its seqnos
 NEXT_HEADER = "x-indexer-next"  # a full page's continuation token (pass it as next=)
 JSON = "application/json"
+IDEMPOTENT = ("GET", "HEAD", "PUT", "DELETE")  # sent again once if the server closed unanswered
 NDJSON = "application/x-ndjson"
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 
@@ -121,6 +122,7 @@ def request(
     deadline = time.monotonic() + timeout
     access = access or Access()
     context = access.context()
+    retried = method not in IDEMPOTENT  # a request sent once may not be sent again
     while True:
         call = urllib.request.Request(url + path + query, data=data, method=method)
         call.add_header("Accept", accept)
@@ -142,6 +144,11 @@ def request(
             ) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
+            if isinstance(reason, ConnectionResetError) and not retried:
+                # The server closed the connection before answering (a restart, a kept-alive
+                # connection closed as the request came): an idempotent request goes once more.
+                retried = True
+                continue
             raise ClientError(f"cannot reach the indexer at {url}: {reason}") from None
 
 

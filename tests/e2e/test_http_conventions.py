@@ -4,6 +4,8 @@ alone implies its consistency, bounds written as numbers, GET /indexes/NAME and 
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,33 @@ def test_head_health_answers_as_get_does_without_a_body(daemon_factory: Any) -> 
     assert httpx.head(daemon.url + "/stats").status_code == 405
     assert httpx.get(daemon.url + "/health").json() == {"status": "ok"}
     assert daemon.stop() == 0
+
+
+def test_a_kept_alive_connection_idle_past_a_clients_expiry_is_still_answered(
+    daemon_factory: Any,
+) -> None:
+    """httpx drops an idle connection after 5 s; the server must not close one sooner or at
+    the same moment, or a request sent on it as it closes gets no answer (the daemon's and the
+    router's HTTP servers share indexer/asgi.py)."""
+    daemon = daemon_factory().start()
+    host, port = daemon.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        answers = []
+        for _ in range(2):
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            answers.append(whole_answer(sock))
+            time.sleep(6.0)  # longer than httpx's idle expiry, and hypercorn's old default
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        answers.append(whole_answer(sock))
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers
+
+
+def whole_answer(sock: socket.socket) -> bytes:
+    """One chunked answer, read to its last chunk (b"" if the server closed first)."""
+    data = b""
+    while not data.endswith(b"0\r\n\r\n"):
+        more = sock.recv(65536)
+        if not more:
+            break
+        data += more
+    return data
