@@ -187,10 +187,13 @@ def persisted_sum(daemon: Daemon) -> int | None:
 
 
 def start_unwaited(daemon: Daemon) -> None:
-    """Start the daemon without waiting for it to listen (to kill it while it recovers)."""
+    """Start the daemon without waiting for it to listen (to kill it while it recovers), in
+    its environment: under the power-loss layer, its recovery's writes must be recorded too."""
     with open(daemon.log_path, "ab") as log:
         daemon.proc = subprocess.Popen(
-            indexer_command("serve", "--config", str(daemon.config), *daemon.args), stderr=log
+            indexer_command("serve", "--config", str(daemon.config), *daemon.args),
+            stderr=log,
+            env=daemon.env,
         )
 
 
