@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("powercut.c")
+KEPT_JOURNALS = 5
 
 
 class PowerCutError(RuntimeError):
@@ -79,10 +80,17 @@ class PowerLoss:
         return env
 
     def arm(self) -> None:
-        """Start a new journal: what is on disk now counts as durable."""
+        """Start a new journal: what is on disk now counts as durable. The last journals are
+        kept beside it (journal.1 the one before, ...) for a failure's post-mortem."""
         self.root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.grave, ignore_errors=True)
         self.grave.mkdir(parents=True)
+        if self.journal.exists():
+            for n in range(KEPT_JOURNALS - 1, 0, -1):
+                older = self.journal.with_name(f"journal.{n}")
+                if older.exists():
+                    older.replace(self.journal.with_name(f"journal.{n + 1}"))
+            self.journal.replace(self.journal.with_name("journal.1"))
         self.journal.write_bytes(b"")
         self._baseline = {st.st_ino: st.st_size for st in self._files().values()}
 
@@ -136,6 +144,8 @@ class PowerLoss:
                 report.files_truncated.append(str(path))
                 if drop:
                     os.truncate(path, durable)
+        with open(self.work / "cuts", "a") as cuts:  # what each cut took, for a post-mortem
+            cuts.write(f"{report}\n")
         self.arm()
         return report
 
