@@ -114,6 +114,19 @@ class PowerLoss:
         for kind, *rest in events:
             if kind == "sync" and rest[1] != "-1":
                 synced[int(rest[0])] = int(rest[1])
+        # A file the layer never saw made is one a process wrote outside it (started without
+        # `env()`): its syncs are unknown, so a cut would take what was durable. Refused.
+        made = {int(rest[0]) for kind, *rest in events if kind == "create"}
+        unknown = [
+            str(path)
+            for path, st in self._files().items()
+            if st.st_ino not in made and st.st_ino not in self._baseline
+        ]
+        if unknown:
+            raise PowerCutError(
+                f"files written outside the power-loss layer (a process without its env()): "
+                f"{', '.join(sorted(unknown)[:5])}"
+            )
         report = CutReport()
         for kind, *rest in reversed(events[committed + 1 :]):
             if kind == "create":

@@ -15,7 +15,7 @@ from pathlib import Path
 import plyvel
 import pytest
 
-from tests.powercut import PowerLoss, build_library
+from tests.powercut import PowerCutError, PowerLoss, build_library
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +153,12 @@ def test_the_environment_names_the_layer(layer: PowerLoss) -> None:
     env = layer.env({})
     assert env["LD_PRELOAD"].endswith("libpowercut.so")
     assert Path(env["POWERCUT_DIR"]) == layer.root and os.path.isabs(env["POWERCUT_JOURNAL"])
+
+
+def test_a_file_written_outside_the_layer_is_refused_at_the_cut(layer: PowerLoss) -> None:
+    """A process started without the layer's environment syncs what the layer never sees; a
+    cut would take it as unsynced. The cut refuses instead of guessing."""
+    code = f"open({str(layer.root / 'stray.ldb')!r}, 'wb').write(b'x' * 10)"
+    subprocess.run([sys.executable, "-c", code], check=True)  # no layer.env()
+    with pytest.raises(PowerCutError, match=r"outside the power-loss layer.*stray\.ldb"):
+        layer.cut()
