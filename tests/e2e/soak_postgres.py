@@ -11,17 +11,13 @@ equal a model of the table's final rows.
 
 Used by tests/e2e/soak.py (`make soak`), and alone:
 
-    python -m tests.e2e.soak_postgres --kills 10 [--seed 1] [--power-cuts 0.5]
+    python -m tests.e2e.soak --only postgres --faults 40   # 10 of them here
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import shutil
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -414,34 +410,3 @@ def run_postgres_loop(
         server.stop()
         report.seconds = time.monotonic() - started
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the loop; print each fault and the report; exit 1 unless it is clean."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--kills", type=int, default=100, help="faults in all (default 100)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument(
-        "--power-cuts", type=float, default=0.5, help="share of the kills that cut the power"
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="kept; default: a temp dir")
-    args = parser.parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="indexer-soak-postgres-"))
-    print(f"postgres crash loop in {workdir}: {args.kills} kills, seed {args.seed}", flush=True)
-    report = run_postgres_loop(
-        workdir,
-        args.kills,
-        seed=args.seed,
-        power_cuts=args.power_cuts,
-        say=lambda line: print(line, flush=True),
-    )
-    print(report.summary(), flush=True)
-    if report.ok and args.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
-    elif not report.ok:
-        print(f"logs and data kept in {workdir}", flush=True)
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

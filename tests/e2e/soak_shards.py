@@ -15,12 +15,11 @@ finds it as the cut left it), every shard's log holds at least the document vers
 least the last one seen; at the end, request_plus scans and the dumps of the stopped store
 equal the model of the whole file, and the shards' logs hold every line once.
 
-    python -m tests.e2e.soak_shards --kills 100 --seed 1 --power-cuts 0.5
+    python -m tests.e2e.soak --only shards --faults 400   # 100 of them here
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -28,8 +27,6 @@ import random
 import re
 import shutil
 import signal
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -398,35 +395,3 @@ def run_shards_loop(
             daemon.kill()
         report.seconds = time.monotonic() - started
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the loop; print the report; exit 1 unless it is clean."""
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n", 1)[0])
-    parser.add_argument("--kills", type=int, default=100, help="faults (default 100)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument(
-        "--power-cuts", type=float, default=0.5, help="share of the kills that cut the power"
-    )
-    parser.add_argument("--workdir", type=Path, default=None, help="kept; default: a temp dir")
-    args = parser.parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="indexer-soak-shards-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    print(f"shards loop in {workdir}: {args.kills} faults, seed {args.seed}", flush=True)
-    report = run_shards_loop(
-        workdir,
-        args.kills,
-        args.seed,
-        args.power_cuts,
-        say=lambda line: print(line, flush=True),
-    )
-    print(report.summary(), flush=True)
-    if report.ok and args.workdir is None:
-        shutil.rmtree(workdir, ignore_errors=True)
-    elif not report.ok:
-        print(f"logs and data kept in {workdir}", flush=True)
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
