@@ -30,6 +30,7 @@ from tests.harness import (
     write_config,
     write_jsonl,
 )
+from tests.powercut import build_library
 
 __all__ = [
     "INDEXES",
@@ -45,6 +46,12 @@ __all__ = [
 ]
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="session")
+def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The power-loss layer's recorder (tests/powercut), compiled once for the run."""
+    return build_library(tmp_path_factory.mktemp("powercut"))
 
 
 @pytest.fixture

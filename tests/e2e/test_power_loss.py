@@ -39,18 +39,13 @@ from tests.e2e.crashloop import DAEMON_CONFIG, Writer, differing_rows, persisted
 from tests.e2e.stream_client import FAST_PERSIST, VBUCKETS, Source, feed, indexes_equal_model
 from tests.e2e.stream_client import Router as StreamRouter
 from tests.e2e.test_index_build import ZIP, index_states, wait_active
-from tests.powercut import PowerLoss, build_library
+from tests.powercut import PowerLoss
 
 pytestmark = pytest.mark.e2e
 
 CUTS = 20
 AIM_S = 10.0  # at most, waiting for a log switch and the persist after it
 ROUTER_CUTS = 6  # its appends are all synchronous writes: a guard, not a hunt
-
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_library(tmp_path_factory.mktemp("powercut"))
 
 
 @pytest.fixture

@@ -31,18 +31,13 @@ from tests.e2e.test_postgres_source import (  # noqa: F401 (pg, db: the fixtures
     wait_model,
     wanted,
 )
-from tests.powercut import PowerLoss, build_library
+from tests.powercut import PowerLoss
 
 pytestmark = pytest.mark.e2e
 
 ROUTER_CUTS = 6  # the even ones aimed right after a confirm
 LARGE_BEFORE = (1, 3)  # these cuts come while a large transaction is likely being appended
 DAEMON_CUT_AFTER = 2  # the daemon's power is cut once, after this router cut
-
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_library(tmp_path_factory.mktemp("powercut"))
 
 
 @pytest.fixture

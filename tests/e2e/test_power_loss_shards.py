@@ -29,7 +29,7 @@ from tests.e2e.soak_shards import (
     shard_stats,
     wait_appended,
 )
-from tests.powercut import CutReport, PowerLoss, build_library
+from tests.powercut import CutReport, PowerLoss
 
 pytestmark = pytest.mark.e2e
 
@@ -37,11 +37,6 @@ CUTS = 6  # half right after a LevelDB log switch, half right after an append
 SHARD_KILL_AT = 3  # before this cut, one shard is killed alone (a crash, not a cut)
 AIM_S = 20.0  # at most, waiting for what a cut aims at
 START_S = 120.0
-
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_library(tmp_path_factory.mktemp("powercut"))
 
 
 @pytest.fixture
