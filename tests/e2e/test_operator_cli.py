@@ -167,9 +167,10 @@ def test_sigterm_while_a_build_waits_to_merge_stops_at_once(daemon_factory: Any)
     log = daemon.log()
     assert "index by_age_again not merged: the daemon is stopping" in log
     assert "stopped cleanly" in log
-    # The build resumes at the next start.
+    # The build resumes at the next start: not merged, and within the slack again as soon as
+    # the resumed build checks how far behind it is (so either state may answer first).
     daemon.start()
-    assert index_state(daemon, "by_age_again") == "building"
+    assert index_state(daemon, "by_age_again") in ("building", "catchup")
     assert daemon.stop() == 0
 
 

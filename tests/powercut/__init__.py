@@ -115,19 +115,27 @@ class PowerLoss:
             if kind == "sync" and rest[1] != "-1":
                 synced[int(rest[0])] = int(rest[1])
         # A file the layer never saw made is one a process wrote outside it (started without
-        # `env()`): its syncs are unknown, so a cut would take what was durable. Refused.
+        # `env()`): its syncs are unknown, so a cut would take what was durable. Refused. An
+        # empty one is the kill landing between the real open and its journal line (nothing
+        # can write to it before the open returns): no fsync is known to follow its create,
+        # so the cut undoes it.
         made = {int(rest[0]) for kind, *rest in events if kind == "create"}
-        unknown = [
-            str(path)
+        unknown = {
+            path: st
             for path, st in self._files().items()
             if st.st_ino not in made and st.st_ino not in self._baseline
-        ]
-        if unknown:
+        }
+        stray = sorted(str(path) for path, st in unknown.items() if st.st_size > 0)
+        if stray:
             raise PowerCutError(
                 f"files written outside the power-loss layer (a process without its env()): "
-                f"{', '.join(sorted(unknown)[:5])}"
+                f"{', '.join(stray[:5])}"
             )
         report = CutReport()
+        for path in unknown:
+            report.creates_undone.append(str(path))
+            if drop:
+                path.unlink()
         for kind, *rest in reversed(events[committed + 1 :]):
             if kind == "create":
                 path = Path(rest[1])

@@ -162,3 +162,12 @@ def test_a_file_written_outside_the_layer_is_refused_at_the_cut(layer: PowerLoss
     subprocess.run([sys.executable, "-c", code], check=True)  # no layer.env()
     with pytest.raises(PowerCutError, match=r"outside the power-loss layer.*stray\.ldb"):
         layer.cut()
+
+
+def test_an_empty_file_the_journal_missed_is_a_create_the_cut_undoes(layer: PowerLoss) -> None:
+    """A kill between the real open and its journal line leaves an empty file the journal
+    never names; no fsync is known to follow, so the cut takes it (and does not refuse)."""
+    (layer.root / "snapshot.tmp").write_bytes(b"")  # as the open left it, unjournaled
+    report = layer.cut()
+    assert report.creates_undone == [str(layer.root / "snapshot.tmp")]
+    assert not (layer.root / "snapshot.tmp").exists()
