@@ -62,9 +62,9 @@ from common import (  # bench/common.py: run as `python bench/...`
 from indexer import protocol as p
 from indexer.config import Config, parse_config
 from indexer.keys import entry_tail
-from indexer.router.feed import StreamEncoder
-from indexer.router.records import default_vbuuid
-from indexer.router.workload import Workload, generate
+from indexer.router.inputs.workload import Workload, generate
+from indexer.router.streams.feed import StreamEncoder
+from indexer.router.streams.records import default_vbuuid
 from indexer.storage import IndexStore, StoredIndex
 from slab import SlabPool
 from workers.flush import BackIndexCache, IndexWriter

@@ -81,12 +81,12 @@ def test_no_module_imports_itself_back_through_others() -> None:
         "indexer.grammar",
         "indexer.where",
         "indexer.expressions",
-        "indexer.router.pgoutput",
-        "indexer.router.pgtypes",
+        "indexer.router.inputs.postgres.pgoutput",
+        "indexer.router.inputs.postgres.pgtypes",
         "indexer.router.pipe",
-        "indexer.router.shard_pipe",
-        "indexer.router.bulk",
-        "indexer.router.lines",
+        "indexer.router.shards.messages",
+        "indexer.router.inputs.bulk",
+        "indexer.router.inputs.lines",
     ],
 )
 def test_the_codecs_import_nothing_of_io_or_storage(codec: str) -> None:
@@ -125,4 +125,4 @@ def test_the_spark_source_reaches_a_daemon_only_over_http_or_a_stopped_store() -
 def test_the_walk_finds_imports_in_functions_and_type_checking_blocks() -> None:
     """The rules are only as good as the walk: it sees lazy and typing-only imports."""
     assert "indexer.router.service" in project_imports("indexer.cli.feeds")  # inside a command
-    assert any(m.startswith("indexer.") for m in project_imports("indexer.router.shards"))
+    assert any(m.startswith("indexer.") for m in project_imports("indexer.router.shards.parent"))

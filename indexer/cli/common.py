@@ -30,7 +30,7 @@ from indexer.config import (
 from indexer.logs import LOG_FORMATS
 
 if TYPE_CHECKING:
-    from indexer.router.feed import FeedSecurity
+    from indexer.router.streams.feed import FeedSecurity
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -99,7 +99,7 @@ def _feed_security(
     token: str | None, token_file: Path | None, tls: bool, tls_ca: Path | None
 ) -> FeedSecurity:
     """What `feed` and `router` present to the daemon (token) and check it with (TLS)."""
-    from indexer.router.feed import FeedSecurity
+    from indexer.router.streams.feed import FeedSecurity
 
     return FeedSecurity(_token(token, token_file) or "", _tls_context(tls, tls_ca))
 

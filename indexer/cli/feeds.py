@@ -30,7 +30,7 @@ from indexer.config import TOKEN_ENV
 from indexer.routes import ROUTER_ROUTES, routes_help
 
 if TYPE_CHECKING:
-    from indexer.router.feed import FeedSecurity
+    from indexer.router.streams.feed import FeedSecurity
 
 APPEND_CHUNK = 50_000  # documents per append to a source log (one synced WriteBatch each)
 JSONL_OPTION = click.option(
@@ -485,14 +485,14 @@ def router(
     """
     from indexer.logs import configure as configure_logging
     from indexer.router import SourceError, SourceLog, Workload
-    from indexer.router.postgres import PostgresError, PostgresOptions
+    from indexer.router.inputs.postgres.table import PostgresError, PostgresOptions
     from indexer.router.service import RouterOptions, run_router
     from indexer.storage import COMPACTION_NICE
 
     if drop_slot is not None:
         if postgres is None:
             fail("--drop-slot needs --postgres DSN", 2)
-        from indexer.router.postgres import drop_slot as drop
+        from indexer.router.inputs.postgres.table import drop_slot as drop
 
         try:
             existed = drop(postgres, drop_slot)
@@ -627,8 +627,8 @@ def shard_state(old_state: Path, into: Path, shards: int) -> None:
       indexer router --state router-sharded --shards 2 --to 127.0.0.1:9105 ...
     """
     from indexer.router import SourceError, SourceLog
-    from indexer.router.shards import ShardLayout, open_layout
-    from indexer.router.source import split_log
+    from indexer.router.shards.parent import ShardLayout, open_layout
+    from indexer.router.source.log import split_log
 
     if into.exists():
         fail(f"--into: {into} exists already: give a new directory", 2)
@@ -668,7 +668,7 @@ def _run_shards(
 ) -> None:
     """`indexer router --shards K`: this process starts the shards and feeds them."""
     from indexer.router import SourceError
-    from indexer.router.shards import (
+    from indexer.router.shards.parent import (
         ShardedOptions,
         ShardStartError,
         lock_state,

@@ -34,8 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from indexer.collector import CollectorPauses
 from indexer.metrics import build_info, collector_metrics, counter, gauge
-from indexer.router.appender import Appender
-from indexer.router.node_stream import NodeProgress
+from indexer.router.source.appender import Appender
+from indexer.router.streams.node_stream import NodeProgress
 
 
 class RouterView(Protocol):

@@ -28,7 +28,7 @@ import httpx
 import psycopg2
 import psycopg2.extras
 
-from indexer.router.pgoutput import parse_lsn
+from indexer.router.inputs.postgres.pgoutput import parse_lsn
 from tests.e2e.conftest import Daemon, Router, dump, free_port, scan, write_config
 from tests.e2e.crashloop import DAEMON_CONFIG, CrashLoopReport, differing_rows, persisted_sum
 from tests.e2e.test_postgres_source import (

@@ -21,7 +21,7 @@ import psycopg2
 import pytest
 
 from indexer.router.documents import Document
-from indexer.router.source import SourceLog
+from indexer.router.source.log import SourceLog
 from tests.e2e.conftest import WAIT_S, Daemon, free_port, model, write_config
 from tests.e2e.test_postgres_source import dsn, pg, run, start_router  # noqa: F401 (fixture)
 from tests.harness import Postgres

@@ -17,7 +17,7 @@ import pytest
 
 from indexer.router import SourceLog, Workload, generate
 from indexer.router.documents import Document, vbucket_of
-from indexer.router.shard_pipe import InputPosition
+from indexer.router.shards.messages import InputPosition
 from tests.e2e.conftest import WAIT_S, indexer_command, model, scan, wait_equal, write_jsonl
 from tests.e2e.test_cluster import owned_by, write_map
 from tests.e2e.test_index_build import ZIP, wait_active

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from indexer.router.documents import Document
-from indexer.router.source import SourceLog
+from indexer.router.source.log import SourceLog
 from tests.e2e.conftest import (
     INDEXES,
     WAIT_S,

@@ -1,5 +1,5 @@
-"""The build encoder (indexer/router/build_encoder.py): its pipe codec without a process, and a
-real encoder process giving the frames the router itself would give."""
+"""The build encoder (indexer/router/streams/build_encoder.py): its pipe codec without a
+process, and a real encoder process giving the frames the router itself would give."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 import trio
 
 from indexer import protocol as p
-from indexer.router.build_encoder import (
+from indexer.router.documents import Document
+from indexer.router.source.log import SourceLog
+from indexer.router.streams.build_encoder import (
     CHUNKS,
     EncoderError,
     MessageReader,
@@ -20,16 +22,14 @@ from indexer.router.build_encoder import (
     encode_message,
     encode_pieces,
 )
-from indexer.router.chunks import (
+from indexer.router.streams.chunks import (
     RawChunk,
     latest_versions,
     read_backfill_chunk,
     read_raw_chunk,
     snapshot_frames,
 )
-from indexer.router.documents import Document
-from indexer.router.records import RecordEncoder
-from indexer.router.source import SourceLog
+from indexer.router.streams.records import RecordEncoder
 
 INDEX = p.IndexDefinition("by_age", ("age",))
 PARTIAL = p.IndexDefinition("adults", ("name",), "age >= 18")

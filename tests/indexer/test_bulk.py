@@ -1,4 +1,4 @@
-"""The bulk codec (indexer/router/bulk.py) and the visibility waits, without sockets."""
+"""The bulk codec (indexer/router/inputs/bulk.py) and the visibility waits, without sockets."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import trio
 import trio.testing
 
 from indexer import protocol as p
-from indexer.router import bulk
-from indexer.router.visibility import BarrierTurn, Visibility
+from indexer.router.inputs import bulk
+from indexer.router.source.visibility import BarrierTurn, Visibility
 
 
 def test_lines_are_numbered_blanks_skipped_and_each_bad_line_says_why() -> None:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 PROGRAM = """
 import json, os, sys, threading
 from pathlib import Path
-from indexer.router.source import SourceLog
+from indexer.router.source.log import SourceLog
 from indexer.storage import IndexStore, thread_nice
 
 def cpu(tid):

@@ -9,7 +9,7 @@ import pytest
 
 from indexer.router.documents import Document, DocumentError
 from indexer.router.expiry import RELATIVE_LIMIT_S, absolute_expiry, with_absolute_expiry
-from indexer.router.source import SourceLog
+from indexer.router.source.log import SourceLog
 
 NOW = 1_800_000_000.25
 

@@ -1,4 +1,4 @@
-"""The router's Mutation Manager (indexer/router/mutations.py): each rule on its own, then a
+"""The router's Mutation Manager (indexer/router/source/mutations.py): each rule on its own, then a
 state machine against a plain model, the full history of writes per vbucket."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from indexer.router.mutations import (
+from indexer.router.source.mutations import (
     Backfill,
     BackfillRequired,
     Item,

@@ -1,5 +1,5 @@
-"""One node's stream from the router (indexer/router/node_stream.py), without sockets: a real
-source log and Mutation Manager in, frames out, decoded and checked against the log."""
+"""One node's stream from the router (indexer/router/streams/node_stream.py), without sockets:
+a real source log and Mutation Manager in, frames out, decoded and checked against the log."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ import trio.testing
 
 from indexer import protocol as p
 from indexer.keys import index_key
-from indexer.router.chunks import read_backfill_chunk
 from indexer.router.documents import Document
-from indexer.router.mutations import MutationManager
-from indexer.router.node_stream import MAX_DEFER_S, MaintenanceFirst, NodeCursors, SharedFrames
-from indexer.router.source import SourceLog, encode_document
+from indexer.router.source.log import SourceLog, encode_document
+from indexer.router.source.mutations import MutationManager
+from indexer.router.streams.chunks import read_backfill_chunk
+from indexer.router.streams.node_stream import (
+    MAX_DEFER_S,
+    MaintenanceFirst,
+    NodeCursors,
+)
+from indexer.router.streams.shared_frames import SharedFrames
 
 N = 4
 INDEX = p.IndexDefinition("by_age", ("age",))
@@ -205,7 +210,7 @@ def test_a_cursor_dropped_over_the_cap_reads_the_log_and_nothing_is_lost(
 
 
 def test_a_restart_ahead_of_the_log_is_refused(source: SourceLog) -> None:
-    from indexer.router.feed import FeedError
+    from indexer.router.streams.feed import FeedError
 
     mm = MutationManager(capacity=1 << 20)
     append(source, mm, docs(0, 10))
@@ -217,7 +222,7 @@ def test_a_restart_ahead_of_the_log_is_refused(source: SourceLog) -> None:
 def test_recent_documents_are_bounded_forgotten_on_failover_and_change_nothing(
     source: SourceLog,
 ) -> None:
-    from indexer.router.node_stream import RecentDocuments
+    from indexer.router.source.recent import RecentDocuments
 
     recent = RecentDocuments(capacity=3)
     recent.add([(0, 1), (0, 2)], [Document(f"d{i}", {"i": i}) for i in range(2)])
@@ -247,8 +252,8 @@ def test_recent_documents_are_bounded_forgotten_on_failover_and_change_nothing(
 def test_backfills_of_many_vbuckets_are_read_together_within_a_budget(
     source: SourceLog,
 ) -> None:
-    from indexer.router.mutations import Backfill
-    from indexer.router.node_stream import read_backfill_chunks
+    from indexer.router.source.mutations import Backfill
+    from indexer.router.streams.node_stream import read_backfill_chunks
 
     mm = MutationManager(capacity=1 << 30)
     append(source, mm, docs(0, 400, ids=400))

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from indexer.router.pgoutput import (
+from indexer.router.inputs.postgres.pgoutput import (
     UNCHANGED,
     Begin,
     Column,

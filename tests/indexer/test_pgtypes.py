@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from indexer.router.documents import loads_document
-from indexer.router.pgtypes import (
+from indexer.router.inputs.postgres.pgtypes import (
     ARRAY,
     TEXT,
     TYPE_QUERY,

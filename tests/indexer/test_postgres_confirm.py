@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import trio
 
-from indexer.router.postgres import Position, _StreamReader
+from indexer.router.inputs.postgres.stream import StreamReader
+from indexer.router.inputs.postgres.table import Position
 
 EPOCH_2000 = 0  # pgoutput times count microseconds from 2000-01-01
 
@@ -24,10 +25,10 @@ def commit(commit_lsn: int, end_lsn: int) -> bytes:
     return b"C" + struct.pack("!BQQq", 0, commit_lsn, end_lsn, EPOCH_2000)
 
 
-def reader_at(lsn: int) -> _StreamReader:
+def reader_at(lsn: int) -> StreamReader:
     follower = SimpleNamespace(progress=SimpleNamespace(transactions=0, skipped=0))
     table = SimpleNamespace(oid=1)
-    return _StreamReader(follower, table, Position(lsn))  # type: ignore[arg-type]
+    return StreamReader(follower, table, Position(lsn))  # type: ignore[arg-type]
 
 
 def test_an_empty_transaction_is_confirmed_only_once_the_cuts_before_it_are_in_the_log() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from indexer import protocol as p
 from indexer.keys import KeyEncodingError, index_key
 from indexer.router.documents import Document
-from indexer.router.records import RecordEncoder
+from indexer.router.streams.records import RecordEncoder
 
 INDEXES = [
     p.IndexDefinition("ab_c", ("a.b", "c")),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from indexer.router.documents import DocumentError, LineSplitter, parse_line, routing_id
 from indexer.router.pipe import MessageReader, PipeError
-from indexer.router.shard_pipe import (
+from indexer.router.shards.messages import (
     ACK,
     HELLO,
     LINES,
@@ -23,7 +23,7 @@ from indexer.router.shard_pipe import (
     encode_json,
     encode_lines,
 )
-from indexer.router.shards import ShardLayout, plain_ids, resume_point
+from indexer.router.shards.parent import ShardLayout, plain_ids, resume_point
 
 
 def test_the_splitter_counts_bytes_and_lines_across_reads() -> None:

@@ -1,4 +1,4 @@
-"""The router's source log (indexer/router/source.py) on a real LevelDB, and the frames the feed
+"""The router's source log (indexer/router/source/log.py) on a real LevelDB, and the frames the feed
 makes of it (LogEncoder)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from indexer import protocol as p
 from indexer.router.documents import Document, parse_line, vbucket_of
-from indexer.router.feed import FeedError, LogEncoder, _Peer
-from indexer.router.records import BATCH_RECORDS
-from indexer.router.source import SourceError, SourceLockedError, SourceLog, record_key
+from indexer.router.source.log import SourceError, SourceLockedError, SourceLog, record_key
+from indexer.router.streams.feed import FeedError, LogEncoder, _Peer
+from indexer.router.streams.records import BATCH_RECORDS
 
 NUM_VBUCKETS = 8
 
@@ -433,7 +433,7 @@ def test_input_lines_are_stored_as_read_and_read_back_as_parsed(tmp_path: Path) 
 
 
 def test_the_identity_and_a_peers_range_are_fixed_when_the_log_is_made(tmp_path: Path) -> None:
-    from indexer.router.source import SourceError
+    from indexer.router.source.log import SourceError
 
     with SourceLog(tmp_path / "a", 16) as log:
         made = log.identity
@@ -460,7 +460,7 @@ def test_the_identity_and_a_peers_range_are_fixed_when_the_log_is_made(tmp_path:
 def test_latest_versions_follow_appends_failovers_and_splits(tmp_path: Path) -> None:
     """Where each document's latest version is (the PostgreSQL input reads unchanged TOASTed
     values there): kept by appends, made for what the log held, cut back by a failover."""
-    from indexer.router.source import split_log
+    from indexer.router.source.log import split_log
 
     a, b = docid_in(0, 0), docid_in(0, 1)
     with SourceLog(tmp_path / "s", NUM_VBUCKETS) as log:

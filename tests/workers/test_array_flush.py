@@ -14,7 +14,7 @@ from indexer import protocol as p
 from indexer.keys import MISSING, split_entry
 from indexer.recovery import RecoveryPoints, restore
 from indexer.router.documents import Document
-from indexer.router.records import RecordEncoder
+from indexer.router.streams.records import RecordEncoder
 from indexer.scans import KeyRange, iterate, lookup
 from indexer.storage import IndexStore, StoredIndex
 from workers.flush import BackIndexCache, IndexWriter, entry_counts

@@ -2,7 +2,7 @@
 
 A chunk is one vbucket's versions after a seqno, read in a worker thread: parsed
 (`BackfillChunk`, for streams encoded in the router) or as stored (`RawChunk`, for a build's
-encoder process, indexer/router/build_encoder.py). Either is sent as one snapshot with each
+encoder process, indexer/router/streams/build_encoder.py). Either is sent as one snapshot with each
 document once, at its latest version in the chunk's range.
 """
 
@@ -16,9 +16,9 @@ from typing import TypeVar
 
 from indexer import protocol as p
 from indexer.router.documents import Document
-from indexer.router.mutations import Backfill
-from indexer.router.records import RecordEncoder
-from indexer.router.source import SourceLog, decode_document
+from indexer.router.source.log import SourceLog, decode_document
+from indexer.router.source.mutations import Backfill
+from indexer.router.streams.records import RecordEncoder
 
 
 @dataclass(frozen=True, slots=True)

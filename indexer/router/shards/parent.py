@@ -46,14 +46,14 @@ import trio
 from indexer.asgi import answer_lifespan, serve_asgi
 from indexer.collector import rare_collections
 from indexer.metrics import process_started_at, version
-from indexer.router import bulk
-from indexer.router.appender import READ_BYTES, append_bytes
-from indexer.router.bulk import DEFAULT_MAX_BULK_BYTES
-from indexer.router.bulk_forward import MARGIN_S, PARENT_URL_ENV, Forwarded, forward_lines
 from indexer.router.documents import LineSplitter, routing_id, vbucket_of
+from indexer.router.inputs import bulk
+from indexer.router.inputs.bulk import DEFAULT_MAX_BULK_BYTES
+from indexer.router.inputs.bulk_forward import MARGIN_S, PARENT_URL_ENV, Forwarded, forward_lines
+from indexer.router.inputs.workload import Workload, generate, paced
 from indexer.router.pipe import MessageReader, PipeError
 from indexer.router.service import read_body
-from indexer.router.shard_pipe import (
+from indexer.router.shards.messages import (
     ACK,
     HELLO,
     InputPosition,
@@ -62,9 +62,9 @@ from indexer.router.shard_pipe import (
     decode_json,
     encode_lines,
 )
-from indexer.router.source import STATE_DIR, SourceError, describe_vbuckets
-from indexer.router.source import encode_document as encode_line
-from indexer.router.workload import Workload, generate, paced
+from indexer.router.source.appender import READ_BYTES, append_bytes
+from indexer.router.source.log import STATE_DIR, SourceError, describe_vbuckets
+from indexer.router.source.log import encode_document as encode_line
 
 log = logging.getLogger("indexer.router")
 

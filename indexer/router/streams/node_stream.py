@@ -19,14 +19,25 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass
-from itertools import islice
 from typing import NoReturn
 
 import trio
 
 from indexer import protocol as p
-from indexer.router.build_encoder import BuildEncoder, build_encoder
-from indexer.router.chunks import (
+from indexer.router.documents import Document
+from indexer.router.source.log import SourceLog, decode_document, encode_document
+from indexer.router.source.mutations import (
+    Backfill,
+    BackfillRequired,
+    Item,
+    MutationError,
+    MutationManager,
+    Snapshot,
+)
+from indexer.router.source.recent import RecentDocuments
+from indexer.router.source.visibility import BarrierTurn, Visibility
+from indexer.router.streams.build_encoder import BuildEncoder, build_encoder
+from indexer.router.streams.chunks import (
     BackfillChunk,
     EncodedChunk,
     RawChunk,
@@ -35,8 +46,7 @@ from indexer.router.chunks import (
     read_raw_chunk,
     snapshot_frames,
 )
-from indexer.router.documents import Document
-from indexer.router.feed import (
+from indexer.router.streams.feed import (
     DEFER_S,
     END_TIMEOUT_S,
     FeedError,
@@ -47,17 +57,8 @@ from indexer.router.feed import (
     _Peer,
     _send_chunks,
 )
-from indexer.router.mutations import (
-    Backfill,
-    BackfillRequired,
-    Item,
-    MutationError,
-    MutationManager,
-    Snapshot,
-)
-from indexer.router.records import BATCH_RECORDS, SEND_BYTES, RecordEncoder, batch_bytes
-from indexer.router.source import SourceLog, decode_document, encode_document
-from indexer.router.visibility import BarrierTurn, Visibility
+from indexer.router.streams.records import BATCH_RECORDS, SEND_BYTES, RecordEncoder, batch_bytes
+from indexer.router.streams.shared_frames import SharedFrames
 
 log = logging.getLogger("indexer.router")
 
@@ -142,73 +143,6 @@ def document_of(item: Item) -> Document:
     if item.payload is None:
         return Document(item.docid.decode(), None)
     return decode_document(item.payload)
-
-
-RECENT_DOCUMENTS = 20_000
-"""Parsed documents of the latest appends kept for the streams (not counted in the cap)."""
-
-
-class RecentDocuments:
-    """The latest appended documents, parsed, by (vbucket, seqno): streams that keep up take
-    them from here instead of parsing the manager's payload again, once per stream."""
-
-    def __init__(self, capacity: int = RECENT_DOCUMENTS) -> None:
-        self.capacity = capacity
-        self._documents: dict[tuple[int, int], Document] = {}
-
-    def add(self, positions: Sequence[tuple[int, int]], documents: Sequence[Document]) -> None:
-        found = self._documents
-        for position, document in zip(positions, documents, strict=True):
-            found[position] = document
-        # The whole latest append stays, however big: the streams read it next.
-        excess = len(found) - max(self.capacity, len(positions))
-        if excess > 0:
-            for position in list(islice(found, excess)):  # the oldest first
-                del found[position]
-
-    def get(self, vbucket: int, seqno: int) -> Document | None:
-        return self._documents.get((vbucket, seqno))
-
-    def forget(self, vbucket: int) -> None:
-        """After a failover of the vbucket: its seqnos will be reused."""
-        for position in [at for at in self._documents if at[0] == vbucket]:
-            del self._documents[position]
-
-
-SHARED_FRAMES_BYTES = 32 << 20
-"""Encoded snapshots kept for the streams of nodes with the same index definitions."""
-
-FramesKey = tuple[object, ...]
-Pieces = list[tuple[list[bytes], int]]
-
-
-class SharedFrames:
-    """Memory snapshots encoded once for every node with the same index definitions and frame
-    sizes (replicas, `--to` twice): by those, the vbucket's vbuuid and the snapshot's range,
-    which name its items exactly. The oldest go first past `capacity` bytes."""
-
-    def __init__(self, capacity: int = SHARED_FRAMES_BYTES) -> None:
-        self.capacity = capacity
-        self.bytes = 0
-        self.hits = 0
-        self._pieces: dict[FramesKey, tuple[Pieces, int]] = {}
-
-    def get(self, key: FramesKey) -> Pieces | None:
-        found = self._pieces.get(key)
-        if found is None:
-            return None
-        self.hits += 1
-        return found[0]
-
-    def put(self, key: FramesKey, pieces: Pieces) -> None:
-        size = sum(len(frame) for frames, _ in pieces for frame in frames)
-        if key in self._pieces or size > self.capacity:
-            return
-        self._pieces[key] = (pieces, size)
-        self.bytes += size
-        while self.bytes > self.capacity:
-            oldest = next(iter(self._pieces))
-            self.bytes -= self._pieces.pop(oldest)[1]
 
 
 class NodeCursors:
@@ -510,7 +444,7 @@ async def follow_memory(
     computed, in one pass for all of them), and restarts from what the build has. `defer()` is
     asked between pieces sent: while it is true the stream waits (see `Deference`). With
     `visibility`, a maintenance stream sends a barrier when it has sent everything and a request
-    waits to be readable (indexer/router/visibility.py).
+    waits to be readable (indexer/router/source/visibility.py).
     """
     n = source.num_vbuckets
     settings = FeedSettings(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from indexer.router.documents import Document, DocumentError, routing_id, vbucket_of
-from indexer.router.lines import parse_numbered
+from indexer.router.inputs.lines import parse_numbered
 
 BULK_PATH = "/docs/_bulk"
 WAITS = ("persisted", "visible")

@@ -36,9 +36,9 @@ from typing import BinaryIO
 import trio
 
 from indexer import protocol as p
-from indexer.router.chunks import EncodedChunk, RawChunk, latest_documents, snapshot_frames
 from indexer.router.pipe import MessageReader, PipeError, encode_message
-from indexer.router.records import FeedError, RecordEncoder
+from indexer.router.streams.chunks import EncodedChunk, RawChunk, latest_documents, snapshot_frames
+from indexer.router.streams.records import FeedError, RecordEncoder
 
 BUILD_NICENESS = 10
 """How much lower than the router the encoder runs (os.nice): maintenance comes first."""
@@ -232,7 +232,7 @@ async def build_encoder(
 ) -> AsyncIterator[BuildEncoder]:
     """A running encoder process for a build stream's indexes, killed on leaving."""
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "indexer.router.build_encoder"],
+        [sys.executable, "-m", "indexer.router.streams.build_encoder"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )

@@ -14,10 +14,9 @@ import os
 
 import trio
 
-from indexer.router.appender import Appender
-from indexer.router.lines import parse_lines
+from indexer.router.inputs.lines import parse_lines
 from indexer.router.pipe import MessageReader, PipeError
-from indexer.router.shard_pipe import (
+from indexer.router.shards.messages import (
     ACK,
     LINES,
     InputPosition,
@@ -26,6 +25,7 @@ from indexer.router.shard_pipe import (
     encode_hello,
     encode_json,
 )
+from indexer.router.source.appender import Appender
 
 log = logging.getLogger("indexer.router")
 

@@ -15,10 +15,10 @@ import trio
 
 from indexer.router.documents import Document, vbucket_of
 from indexer.router.expiry import with_absolute_expiry
-from indexer.router.mutations import MutationManager
-from indexer.router.node_stream import RecentDocuments, SharedFrames
-from indexer.router.source import SourceLog
-from indexer.router.visibility import Visibility
+from indexer.router.source.log import SourceLog
+from indexer.router.source.mutations import MutationManager
+from indexer.router.source.recent import RecentDocuments
+from indexer.router.source.visibility import Visibility
 
 log = logging.getLogger("indexer.router")
 
@@ -40,7 +40,6 @@ class Appender:
         self.source = source
         self.mm = mm
         self.recent = RecentDocuments()
-        self.frames = SharedFrames()  # snapshots encoded once for nodes that agree
         self.lock = trio.Lock()
         self._changed = trio.Event()
         self.dropped = 0  # cursors dropped over the memory cap

@@ -25,9 +25,10 @@ from typing import NoReturn, Protocol, TypeVar
 import trio
 
 from indexer import protocol as p
-from indexer.router.chunks import read_backfill_chunk, snapshot_frames
 from indexer.router.documents import Document, vbucket_of
-from indexer.router.records import (
+from indexer.router.source.log import SourceLog
+from indexer.router.streams.chunks import read_backfill_chunk, snapshot_frames
+from indexer.router.streams.records import (
     BATCH_RECORDS,
     SEND_BYTES,
     Batcher,
@@ -35,8 +36,7 @@ from indexer.router.records import (
     batch_bytes,
     default_vbuuid,
 )
-from indexer.router.records import FeedError as FeedError  # where its users import it from
-from indexer.router.source import SourceLog
+from indexer.router.streams.records import FeedError as FeedError  # where its users import it from
 
 _T = TypeVar("_T")
 LOG_CHUNK_ITEMS = 2_048  # versions of one vbucket per snapshot of a log, as a router's backfill

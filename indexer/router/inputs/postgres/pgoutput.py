@@ -3,7 +3,7 @@
 
 A replication stream carries, per transaction, Begin, then Relation messages describing each
 table before its first change, Insert, Update, Delete and Truncate, then Commit. Column values
-come in their types' text output form (`indexer.router.pgtypes` turns them into JSON), NULL, or
+come in their types' text output form (`pgtypes` turns them into JSON), NULL, or
 UNCHANGED: a TOASTed value an update did not change, which pgoutput leaves out.
 """
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from indexer.router import bulk
+from indexer.router.inputs import bulk
 
 FORWARDED_HEADERS = (b"authorization", b"content-type")
 MARGIN_S = 30.0  # beyond a wait's timeout: the owner appends, waits, then answers
