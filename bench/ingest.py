@@ -63,7 +63,7 @@ from indexer import protocol as p
 from indexer.config import Config, parse_config
 from indexer.keys import entry_tail
 from indexer.router.inputs.workload import Workload, generate
-from indexer.router.streams.feed import StreamEncoder
+from indexer.router.streams.encoders import StreamEncoder
 from indexer.router.streams.records import default_vbuuid
 from indexer.storage import IndexStore, StoredIndex
 from slab import SlabPool

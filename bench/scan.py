@@ -74,7 +74,7 @@ from indexer import protocol as p
 from indexer.config import load_config
 from indexer.keys import split_entry
 from indexer.router.inputs.workload import Workload, generate
-from indexer.router.streams.feed import StreamEncoder
+from indexer.router.streams.encoders import StreamEncoder
 from indexer.router.streams.records import default_vbuuid
 from indexer.scans import KeyRange, entry_batches
 from indexer.storage import IndexStore, StoredIndex

@@ -95,6 +95,58 @@ def test_the_codecs_import_nothing_of_io_or_storage(codec: str) -> None:
     assert found == set(), f"{codec} imports {sorted(found)}"
 
 
+# The router's rooms (docs/architecture.md): what each may import of the router. The basics
+# (documents, expiry, the pipe codec) are everyone's; inputs write into the source, streams read
+# from it, and neither knows the other; the service, its HTTP API and the shards put them together.
+ROUTER_BASICS = ("indexer.router.documents", "indexer.router.expiry", "indexer.router.pipe")
+ROUTER_ROOMS = {
+    "indexer.router.source": ROUTER_BASICS,
+    "indexer.router.inputs": (*ROUTER_BASICS, "indexer.router.source"),
+    "indexer.router.streams": (*ROUTER_BASICS, "indexer.router.source"),
+}
+
+
+def _in(name: str, rooms: tuple[str, ...]) -> bool:
+    return any(name == room or name.startswith(room + ".") for room in rooms)
+
+
+@pytest.mark.parametrize("room", sorted(ROUTER_ROOMS))
+def test_each_room_of_the_router_imports_only_what_it_may(room: str) -> None:
+    members = [m for m in MODULES if _in(m, (room,))]
+    assert members, f"no modules in {room}"
+    allowed = (room, *ROUTER_ROOMS[room])
+    for name in members:
+        router = {m for m in project_imports(name) if _in(m, ("indexer.router",))}
+        found = {m for m in router if not _in(m, allowed)}
+        assert found == set(), f"{name} imports {sorted(found)}"
+
+
+def test_the_basics_of_the_router_import_only_each_other() -> None:
+    for name in ROUTER_BASICS:
+        router = {m for m in project_imports(name) if _in(m, ("indexer.router",))}
+        assert router <= set(ROUTER_BASICS), f"{name} imports {sorted(router)}"
+
+
+def test_only_the_router_service_and_the_command_line_start_shards() -> None:
+    outside = [
+        name
+        for name in MODULES
+        if not _in(name, ("indexer.router.shards", "indexer.router.service", "indexer.cli"))
+        and any(_in(m, ("indexer.router.shards",)) for m in project_imports(name))
+    ]
+    assert outside == []
+
+
+def test_no_router_module_grows_past_its_one_job() -> None:
+    """About 600 lines at most: a longer one holds two jobs (split it where they part)."""
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if _in(name, ("indexer.router",)) and (n := len(path.read_text().splitlines())) > 620
+    }
+    assert long == {}
+
+
 def test_slab_imports_nothing_of_the_project() -> None:
     for name in (m for m in MODULES if m.split(".")[0] == "slab"):
         outside = {m for m in project_imports(name) if m.split(".")[0] != "slab"}

@@ -627,7 +627,7 @@ def shard_state(old_state: Path, into: Path, shards: int) -> None:
       indexer router --state router-sharded --shards 2 --to 127.0.0.1:9105 ...
     """
     from indexer.router import SourceError, SourceLog
-    from indexer.router.shards.parent import ShardLayout, open_layout
+    from indexer.router.shards.layout import ShardLayout, open_layout
     from indexer.router.source.log import split_log
 
     if into.exists():
@@ -668,13 +668,9 @@ def _run_shards(
 ) -> None:
     """`indexer router --shards K`: this process starts the shards and feeds them."""
     from indexer.router import SourceError
-    from indexer.router.shards.parent import (
-        ShardedOptions,
-        ShardStartError,
-        lock_state,
-        open_layout,
-        run_sharded_router,
-    )
+    from indexer.router.shards.layout import lock_state, open_layout
+    from indexer.router.shards.parent import run_sharded_router
+    from indexer.router.shards.process import ShardedOptions, ShardStartError
 
     try:
         layout = open_layout(state, count, vbuckets, source_id)

@@ -38,8 +38,8 @@ import psutil
 
 from indexer.router import SourceLog
 from indexer.router.documents import vbucket_of
+from indexer.router.shards.layout import ShardLayout
 from indexer.router.shards.messages import InputPosition
-from indexer.router.shards.parent import ShardLayout
 from indexer.router.source.log import SourceError
 from tests.e2e.conftest import INDEXES, Daemon, Router, dump, free_port, model, write_config
 from tests.e2e.crashloop import (

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from indexer.router.documents import DocumentError, LineSplitter, parse_line, routing_id
 from indexer.router.pipe import MessageReader, PipeError
+from indexer.router.shards.dispatch import plain_ids, resume_point
+from indexer.router.shards.layout import ShardLayout
 from indexer.router.shards.messages import (
     ACK,
     HELLO,
@@ -23,7 +25,6 @@ from indexer.router.shards.messages import (
     encode_json,
     encode_lines,
 )
-from indexer.router.shards.parent import ShardLayout, plain_ids, resume_point
 
 
 def test_the_splitter_counts_bytes_and_lines_across_reads() -> None:

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from indexer import protocol as p
 from indexer.router.documents import Document, parse_line, vbucket_of
 from indexer.router.source.log import SourceError, SourceLockedError, SourceLog, record_key
-from indexer.router.streams.feed import FeedError, LogEncoder, _Peer
+from indexer.router.streams.encoders import LogEncoder
+from indexer.router.streams.feed import FeedError, _Peer
 from indexer.router.streams.records import BATCH_RECORDS
 
 NUM_VBUCKETS = 8

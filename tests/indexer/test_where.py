@@ -13,7 +13,8 @@ from indexer import protocol as p
 from indexer.config import ConfigError, parse_config
 from indexer.keys import MISSING
 from indexer.router.documents import Document
-from indexer.router.streams.feed import FeedError, StreamEncoder
+from indexer.router.streams.encoders import StreamEncoder
+from indexer.router.streams.feed import FeedError
 from indexer.storage import IndexStore, StoreError
 from indexer.where import (
     MAX_DEPTH,

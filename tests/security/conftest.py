@@ -20,7 +20,7 @@ import trustme
 
 from indexer import protocol as p
 from indexer.router.documents import Document
-from indexer.router.streams.feed import StreamEncoder
+from indexer.router.streams.encoders import StreamEncoder
 from tests.e2e.conftest import INDEXES, Daemon, daemon_factory, routers
 
 __all__ = ["daemon_factory", "routers"]  # the e2e fixtures, shared with these tests
