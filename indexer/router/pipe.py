@@ -1,7 +1,7 @@
 """Length-prefixed messages over a pipe between a router and a process it starts (sans-IO).
 
 A message is u32 length (of what follows it), u8 kind, body. The build encoder
-(`build_encoder.py`) and the router's shards (`shard_pipe.py`) each define their kinds.
+(`build_encoder.py`) and the router's shards (`shards/messages.py`) each define their kinds.
 """
 
 from __future__ import annotations

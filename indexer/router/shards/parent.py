@@ -3,11 +3,11 @@ the HTTP API, and each shard owns a contiguous range of vbuckets with its own so
 Mutation Manager and node connections.
 
 A shard is `indexer router` itself, started by the parent with the shard's range, the shared
-source identity and the parent's pipe as its input (`shard_input.py`). The parent reads the
+source identity and the parent's pipe as its input (`input.py`). The parent reads the
 input a piece at a time, hands each line to the shard of its document's vbucket
 (`documents.routing_id`, CRC32 of the id), and keeps every message until the shard acknowledges
 it appended. A shard that dies is started again and given the messages it did not acknowledge;
-its log records how far it holds the input, so it skips what it had (`shard_pipe.py`). A parent
+its log records how far it holds the input, so it skips what it had (`messages.py`). A parent
 started again resumes the input from the earliest shard's position, the same way.
 
 State directory:
