@@ -63,9 +63,19 @@ def wait_active(daemon: Daemon, name: str, timeout: float = WAIT_S) -> list[str]
         time.sleep(0.05)
 
 
-def keep_appending(jsonl: Path, documents: list[Document], stop: threading.Event) -> None:
+FEED_LIMIT_S = 20.0
+
+
+def keep_appending(
+    jsonl: Path, documents: list[Document], stop: threading.Event, limit_s: float = FEED_LIMIT_S
+) -> None:
+    """About 10,000 documents/s appended to the followed file, for at most `limit_s`: a build
+    must catch up with a history that grows as it reads it, and on a loaded machine a feed
+    that never stops can outrun the build for good (as it would in production: the build
+    then waits for the feed to slow down)."""
     seed = 300
-    while not stop.is_set():
+    until = time.monotonic() + limit_s
+    while not stop.is_set() and time.monotonic() < until:
         more = list(generate(Workload(1_000, 5_000, 0.1, seed)))
         write_jsonl(jsonl, more, append=True)
         documents += more
