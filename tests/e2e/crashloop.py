@@ -230,10 +230,12 @@ def run_crash_loop(
     catch_up_s: float = 120.0,
     say: Callable[[str], None] = lambda line: None,
     power_cuts: float = 0.0,
+    faults: int = 0,
 ) -> CrashLoopReport:
-    """Kill and restart the daemon `kills` times (or until `seconds` pass, if given, whichever
-    comes last) under a feed of about `rate` documents a second over `keys` document ids; a
-    `power_cuts` share of the kills are power cuts."""
+    """Kill and restart the daemon `kills` times (and on until `faults` kills of the daemon
+    and the router together, or until `seconds` pass, if given, whichever comes last) under a
+    feed of about `rate` documents a second over `keys` document ids; a `power_cuts` share of
+    the kills are power cuts."""
     rng = random.Random(seed)
     report = CrashLoopReport(seed)
     started = time.monotonic()
@@ -279,8 +281,10 @@ def run_crash_loop(
     writer.start()
     try:
         daemon.start()
-        while report.kills < kills or (
-            seconds is not None and time.monotonic() - started < seconds
+        while (
+            report.kills < kills
+            or report.faults < faults
+            or (seconds is not None and time.monotonic() - started < seconds)
         ):
             seen = persisted_sum(daemon) or 0
             until = time.monotonic() + rng.choice([rng.uniform(0.0, 0.5), rng.uniform(0.5, 3.0)])

@@ -38,10 +38,17 @@ def run_scenario(
 ) -> CrashLoopReport:
     workdir.mkdir(parents=True, exist_ok=True)
     if name == "daemon":
-        # A router kill in ten faults would leave routers barely tested: one in four.
+        # A router kill in ten faults would leave routers barely tested: about one in five.
+        # The router's kills are drawn at random, so the loop goes on until the share is met.
         kills = max(1, round(faults * 0.75))
         return run_crash_loop(
-            workdir, kills, seed=seed, router_kill_chance=1 / 3, power_cuts=power_cuts, say=say
+            workdir,
+            kills,
+            seed=seed,
+            router_kill_chance=1 / 3,
+            power_cuts=power_cuts,
+            say=say,
+            faults=faults,
         )
     if name == "shards":
         from tests.e2e.soak_shards import run_shards_loop  # each scenario's needs, when it runs
