@@ -47,7 +47,6 @@ EXPIRY_BATCH = 10_000  # expired documents deleted per append
 DEFAULT_MEMORY_BYTES = 256 << 20  # the Mutation Manager's cap
 
 
-
 @dataclass(frozen=True)
 class RouterOptions:
     """What `indexer router` runs: its indexer nodes and inputs."""

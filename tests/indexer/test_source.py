@@ -17,7 +17,7 @@ from indexer import protocol as p
 from indexer.router.documents import Document, parse_line, vbucket_of
 from indexer.router.source.log import SourceError, SourceLockedError, SourceLog, record_key
 from indexer.router.streams.encoders import LogEncoder
-from indexer.router.streams.feed import FeedError, _Peer
+from indexer.router.streams.feed import FeedError, Peer
 from indexer.router.streams.records import BATCH_RECORDS
 
 NUM_VBUCKETS = 8
@@ -376,7 +376,7 @@ def test_log_encoder_refuses_an_indexer_ahead_of_the_log(tmp_path: Path) -> None
 async def test_acks_arriving_together_are_applied_in_order() -> None:
     """Two ACKs in one receive: the later one stands (the feed waited forever otherwise)."""
     ours, theirs = trio.testing.memory_stream_pair()
-    peer = _Peer(ours)  # type: ignore[arg-type]
+    peer = Peer(ours)  # type: ignore[arg-type]
     acks = [
         p.Ack((p.VbucketPosition(0, seqno, 1), p.VbucketPosition(1, seqno, 1))) for seqno in (0, 7)
     ]

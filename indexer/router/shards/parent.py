@@ -34,8 +34,6 @@ from indexer.router.source.appender import append_bytes
 log = logging.getLogger("indexer.router")
 
 
-
-
 async def run_sharded_router(options: ShardedOptions) -> None:
     """Run the shards, the input and the API until SIGINT or SIGTERM; then stop the shards
     (each finishes its append) and return. ShardStartError if a shard cannot start."""

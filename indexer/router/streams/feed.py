@@ -3,9 +3,10 @@
 The sans-IO part turns documents into frames with `records.py` (`RecordEncoder`, `Batcher`),
 fed by the encoders of `encoders.py` (an input's documents, or a router's source log). `feed` and
 `feed_log` move those frames over TCP and read acks; `follow_log` keeps its connection and
-streams a live log's appends as they come. The connection code here (`_connection`, `_handshake`,
-`_send_chunks`) is the node streams' too (`node_stream.py`). Every connection uses its settings'
-`FeedSecurity`: the indexer's shared token in the handshake, TLS when it has a context.
+streams a live log's appends as they come. The connection code here (`connect_and_run`,
+`exchange_handshake`, `send_chunks`, `Peer`) is the node streams' too (`node_stream.py`). Every
+connection uses its settings' `FeedSecurity`: the indexer's shared token in the handshake, TLS
+when it has a context.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class FeedResult:
     visible_at: dict[int, int] | None = None
 
 
-class _Peer:
+class Peer:
     """The indexer side of the connection: decodes its frames, tracks acks."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
@@ -275,10 +276,10 @@ async def feed_log(
 async def _feed_once(
     host: str, port: int, handshake: p.Handshake, start: _Start, settings: FeedSettings
 ) -> FeedResult:
-    async def run(peer: _Peer) -> FeedResult:
+    async def run(peer: Peer) -> FeedResult:
         return await _run(peer.stream, peer, handshake, start, settings)
 
-    return await _connection(host, port, run, settings.security)
+    return await connect_and_run(host, port, run, settings.security)
 
 
 async def _connect(host: str, port: int, context: ssl.SSLContext | None) -> trio.abc.Stream:
@@ -300,13 +301,13 @@ async def _connect(host: str, port: int, context: ssl.SSLContext | None) -> trio
     return stream
 
 
-async def _connection(
-    host: str, port: int, run: Callable[[_Peer], Awaitable[_T]], security: FeedSecurity
+async def connect_and_run(
+    host: str, port: int, run: Callable[[Peer], Awaitable[_T]], security: FeedSecurity
 ) -> _T:
     """Connect and `run` the conversation; connection failures become a FeedError."""
     stream = await _connect(host, port, security.ssl_context)
     async with stream:
-        peer = _Peer(stream)
+        peer = Peer(stream)
         try:
             try:
                 return await run(peer)
@@ -343,16 +344,16 @@ def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 async def _run(
     stream: trio.abc.Stream,
-    peer: _Peer,
+    peer: Peer,
     handshake: p.Handshake,
     start: _Start,
     settings: FeedSettings,
 ) -> FeedResult:
-    reply = await _handshake(peer, handshake, settings)
+    reply = await exchange_handshake(peer, handshake, settings)
     encoder, chunks = start(reply)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(peer.read_acks)
-        await _send_chunks(peer, chunks, settings.progress)
+        await send_chunks(peer, chunks, settings.progress)
         targets = encoder.targets()
         visible_at = None
         if settings.wait_visible:
@@ -372,8 +373,8 @@ async def _run(
     return FeedResult(encoder.sent, encoder.skipped, len(targets), persisted, visible_at)
 
 
-async def _handshake(
-    peer: _Peer, handshake: p.Handshake, settings: FeedSettings
+async def exchange_handshake(
+    peer: Peer, handshake: p.Handshake, settings: FeedSettings
 ) -> p.HandshakeReply:
     """Send the handshake (with the token in force, if any), read the reply, report rollbacks
     and open the flow-control window."""
@@ -392,8 +393,8 @@ async def _handshake(
     return reply
 
 
-async def _send_chunks(
-    peer: _Peer,
+async def send_chunks(
+    peer: Peer,
     chunks: Iterable[tuple[list[bytes], int]],
     progress: Callable[[int], None] | None,
     defer: Callable[[], bool] | None = None,
@@ -467,8 +468,8 @@ async def follow_log(
     logs = {vb: log.failover_log(vb) for vb in vbuckets}
     handshake = p.Handshake(router_name, n, tuple(range(n)), logs, source=log.identity)
 
-    async def run(peer: _Peer) -> NoReturn:
-        reply = await _handshake(peer, handshake, settings)
+    async def run(peer: Peer) -> NoReturn:
+        reply = await exchange_handshake(peer, handshake, settings)
         changed = next_change()
         encoder = LogEncoder(reply, log)
         if on_connected is not None:
@@ -478,7 +479,7 @@ async def follow_log(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(peer.read_acks)
                 while True:
-                    await _send_chunks(peer, encoder.frames(), None)
+                    await send_chunks(peer, encoder.frames(), None)
                     idle = True
                     await changed.wait()
                     idle = False
@@ -492,4 +493,4 @@ async def follow_log(
                     with suppress(Exception):
                         await peer.stream.send_all(b"".join(ends))
 
-    await _connection(host, port, run, settings.security)
+    await connect_and_run(host, port, run, settings.security)

@@ -52,10 +52,10 @@ from indexer.router.streams.feed import (
     FeedError,
     FeedSecurity,
     FeedSettings,
-    _connection,
-    _handshake,
-    _Peer,
-    _send_chunks,
+    Peer,
+    connect_and_run,
+    exchange_handshake,
+    send_chunks,
 )
 from indexer.router.streams.records import BATCH_RECORDS, SEND_BYTES, RecordEncoder, batch_bytes
 from indexer.router.streams.shared_frames import SharedFrames
@@ -462,8 +462,8 @@ async def follow_memory(
     )
     stats = progress if progress is not None else NodeProgress()
 
-    async def run(peer: _Peer) -> NoReturn:
-        reply = await _handshake(peer, handshake, settings)
+    async def run(peer: Peer) -> NoReturn:
+        reply = await exchange_handshake(peer, handshake, settings)
         try:
             # A maintenance stream resumes after a reconnect from what the node acknowledged:
             # memory keeps what follows for it. A build stream resumes from what it wrote.
@@ -555,13 +555,13 @@ async def follow_memory(
                     with suppress(Exception):
                         await peer.stream.send_all(b"".join(ends))
 
-    await _connection(host, port, run, settings.security)
+    await connect_and_run(host, port, run, settings.security)
 
 
 async def _send(
-    peer: _Peer, chunks: Iterator[tuple[list[bytes], int]], defer: Callable[[], bool] | None
+    peer: Peer, chunks: Iterator[tuple[list[bytes], int]], defer: Callable[[], bool] | None
 ) -> int:
     """Send the chunks' frames; how many items they carried. A deferring stream sends smaller
     pieces, so the stream it gives way to waits less."""
     piece = SEND_BYTES if defer is None else DEFERRING_SEND_BYTES
-    return await _send_chunks(peer, chunks, None, defer, piece)
+    return await send_chunks(peer, chunks, None, defer, piece)
