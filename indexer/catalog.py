@@ -131,12 +131,24 @@ class IndexCatalog:
         """The indexes created with `defer_build` and not built yet, by id."""
         return [i for i in self.store.all_indexes() if i.state == "deferred"]
 
+    def _forget_history(self, index: StoredIndex) -> StoredIndex:
+        """A dropped index's change history ends: an index created later with its name (and
+        perhaps its id) starts its own at the next persisted snapshot."""
+        if self.timekeeper.retention is not None:
+            self.timekeeper.retention.history.forget_index(index.index_id)
+        return index
+
     def switch_writers(self) -> None:
         """Give every worker a writer of the active indexes for records of `columns`."""
         names = [d.name for d in self.columns]
         for worker in self.workers:
             worker.writer = IndexWriter(
-                self.store, self.indexes, self.cache, worker.writer.undo, names
+                self.store,
+                self.indexes,
+                self.cache,
+                worker.writer.undo,
+                names,
+                history=worker.writer.history,
             )
 
     def _maintenance_backlog(self) -> bool:
@@ -418,7 +430,7 @@ class IndexCatalog:
         dropped: list[StoredIndex] = []
 
         def apply() -> None:
-            dropped.append(self.store.drop_index(name))
+            dropped.append(self._forget_history(self.store.drop_index(name)))
             del self.indexes[position]
             self._remove_column(name)
             self.cache.remove_index(position)
@@ -456,7 +468,7 @@ class IndexCatalog:
                 self.add_build(rest, build.cache)
 
         def apply() -> None:
-            dropped.append(self.store.drop_index(name))
+            dropped.append(self._forget_history(self.store.drop_index(name)))
             self._remove_column(name)
 
         # Maintenance records carry its key: routers stop at the next handshake.

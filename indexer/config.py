@@ -70,6 +70,15 @@ class SnapshotConfig:
 
 
 @dataclass(frozen=True)
+class ChangesConfig:
+    """The change history the feed reads (indexer/changes.py)."""
+
+    history: bool = True  # written by every flush; off: no feed, a little cheaper ingest
+    retention_s: float = 3600.0  # history older than this is dropped...
+    retention_snapshots: int = 10  # ...but the latest persisted snapshots' is always kept
+
+
+@dataclass(frozen=True)
 class CompactionConfig:
     interval_s: float  # 0: only on demand
     thread_nice: int = COMPACTION_NICE  # LevelDB's compaction thread; 0: as the daemon
@@ -153,6 +162,7 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     # The indexes with `defer_build = true`: stored "deferred" when new, built on request.
     deferred: frozenset[str] = frozenset()
+    changes: ChangesConfig = ChangesConfig()
 
 
 def check_index_name(name: str) -> str | None:
@@ -445,8 +455,27 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         max_concurrent_scans=lim.integer("max_concurrent_scans", 1, 100_000),
         max_scan_rows=lim.integer("max_scan_rows", 0, 1 << 62),
     )
+    ch = _Section(raw["changes"], "changes")
+    history = raw["changes"]["history"]
+    if not isinstance(history, bool):
+        raise ch.fail("history", "must be true or false")
+    changes = ChangesConfig(
+        history=history,
+        retention_s=ch.integer("retention_minutes", 0, 5_256_000) * 60.0,
+        retention_snapshots=ch.integer("retention_snapshots", 1, 1_000_000),
+    )
     return Config(
-        server, pipeline, snapshots, slab, memory, indexes, compaction, security, limits, deferred
+        server,
+        pipeline,
+        snapshots,
+        slab,
+        memory,
+        indexes,
+        compaction,
+        security,
+        limits,
+        deferred,
+        changes,
     )
 
 

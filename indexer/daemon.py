@@ -22,6 +22,7 @@ import trio
 from indexer.asgi import serve_asgi
 from indexer.build import read_progress, resumed_builds
 from indexer.catalog import IndexCatalog
+from indexer.changes import ChangeHistory
 from indexer.collector import freeze_long_lived, rare_collections
 from indexer.compaction import Compactor
 from indexer.config import Config
@@ -41,7 +42,7 @@ from indexer.snapshots import (
 )
 from indexer.storage import IndexStore
 from indexer.streams import StreamItem, StreamRegistry
-from indexer.timekeeper import Recovery, Timekeeper
+from indexer.timekeeper import Recovery, Retention, Timekeeper
 from indexer.timestamps import HighWaterTimestamp
 from slab import MemoryThrottle, MutationRing, SlabPool, ThrottlePolicy
 from workers.flush import BackIndexCache, IndexWriter, entry_counts
@@ -141,6 +142,20 @@ async def serve(
             log.warning("emptied the store: a rollback to zero was cut short")
         elif reverted:
             log.info("undid %d documents changed after the persisted snapshot", reverted)
+        history = ChangeHistory(store, server.num_vbuckets, config.changes.history)
+        # What the store still holds past the persisted snapshot after an unclean point, the
+        # change history reverts; without history, what is kept of it no longer describes
+        # what the flushes write: it goes.
+        reverted = await trio.to_thread.run_sync(
+            history.recover,
+            restart,
+            indexes,
+            state.cleared or not config.changes.history,
+        )
+        if reverted:
+            log.info("undid %d more documents from the change history", reverted)
+        if config.changes.history:
+            await trio.to_thread.run_sync(history.open, restart, indexes)
         if state.cleared:
             state = PersistedState(state.current, (), state.failover_logs)
         cache = BackIndexCache(config.pipeline.back_index_cache, len(indexes))
@@ -171,7 +186,7 @@ async def serve(
                 pool,
                 MutationRing(config.pipeline.ring_slots),
                 hwt,
-                IndexWriter(store, indexes, cache, points.log()),
+                IndexWriter(store, indexes, cache, points.log(), history=config.changes.history),
             )
             for i in range(config.pipeline.workers)
         ]
@@ -199,6 +214,9 @@ async def serve(
             counts,
             indexes,
             Recovery(points, state, keep, lambda: dict(registry.failover_logs)),
+            Retention(history, config.changes.retention_s, config.changes.retention_snapshots)
+            if config.changes.history
+            else None,
         )
         capacity = config.pipeline.channel_batches
         to_dispatch, from_readers = trio.open_memory_channel[list[StreamItem]](capacity)

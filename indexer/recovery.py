@@ -179,21 +179,29 @@ def _revert(
     docid: bytes,
     wanted: dict[int, bytes],
 ) -> None:
-    tail = entry_tail(docid)
     for index in indexes:
-        back = index.back_prefix + docid
-        current = store.get(back) or b""
-        key = wanted.get(index.index_id, b"")
-        if current == key:
-            continue
-        for entry in index.entry_keys(current):
-            batch.delete(index.main_prefix + entry + tail)
-        for entry in index.entry_keys(key):
-            batch.put(index.main_prefix + entry + tail, b"")
-        if key:
-            batch.put(back, key)
-        else:
-            batch.delete(back)
+        set_document_key(store, batch, index, docid, wanted.get(index.index_id, b""))
+
+
+def set_document_key(
+    store: IndexStore, batch: Any, index: StoredIndex, docid: bytes, key: bytes
+) -> bool:
+    """Add to `batch` what gives the document `key` in `index` (b"": no entry), from the keys
+    its back index holds now; whether anything changes."""
+    back = index.back_prefix + docid
+    current = store.get(back) or b""
+    if current == key:
+        return False
+    tail = entry_tail(docid)
+    for entry in index.entry_keys(current):
+        batch.delete(index.main_prefix + entry + tail)
+    for entry in index.entry_keys(key):
+        batch.put(index.main_prefix + entry + tail, b"")
+    if key:
+        batch.put(back, key)
+    else:
+        batch.delete(back)
+    return True
 
 
 def prune(store: IndexStore, below: int) -> int:

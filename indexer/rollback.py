@@ -142,6 +142,13 @@ class Rollback:
         reverted = await trio.to_thread.run_sync(
             restore_store, self.store, indexes, self.data_dir, target
         )
+        retention = self.timekeeper.retention
+        if retention is not None:
+            # The history past the point described the history that did not survive.
+            history = retention.history
+            ts = target.current.timestamp
+            await trio.to_thread.run_sync(history.recover, ts, indexes, target.cleared)
+            retention.history.latest = await trio.to_thread.run_sync(history.open, ts, indexes)
         if target.cleared:
             target = PersistedState(target.current, (), target.failover_logs)
         self.cache.complete = True

@@ -29,6 +29,7 @@ DAEMON_ROUTES = (
     Route("GET", "/indexes/NAME/scan", "entries of a range or spans, NDJSON or Arrow"),
     Route("GET", "/indexes/NAME/count", "how many entries a scan would answer"),
     Route("GET", "/indexes/NAME/aggregate", "count, min, max, sum, avg per group"),
+    Route("GET", "/indexes/NAME/changes", "entries inserted and deleted between snapshots"),
     Route("GET", "/indexes/NAME/splits", "key ranges of about equal size (for Spark)"),
     Route("GET", "/indexes/NAME/types", "the JSON types each key holds"),
     Route("GET", "/indexes/NAME/docs/ID", "the entries of one document"),

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import trio
 
+from indexer.changes import ChangeHistory, Mark
 from indexer.metrics import FLUSH_BUCKETS_S, PERSIST_LAG_BUCKETS_S, Histogram
 from indexer.recovery import FailoverLog, RecoveryPoints
 from indexer.snapshots import PersistedState, RecoveryPoint, SnapshotStore, write_snapshot_file
@@ -29,6 +30,17 @@ from workers.flush import FlushResult
 
 log = logging.getLogger("indexer.timekeeper")
 PERSIST_FAILURE_LOG_S = 10.0
+HISTORY_PRUNE_INTERVAL_S = 30.0  # how often the change history's retention is applied
+
+
+@dataclass
+class Retention:
+    """The change history the timekeeper marks at every persist and prunes by age."""
+
+    history: ChangeHistory
+    keep_s: float
+    keep_snapshots: int
+    next_prune: float = 0.0
 
 
 class QueueFlusher(Protocol):
@@ -79,6 +91,7 @@ class Timekeeper:
         entry_counts: Sequence[int],
         indexes: Sequence[StoredIndex] = (),
         recovery: Recovery | None = None,
+        retention: Retention | None = None,
     ) -> None:
         self.hwt = hwt
         self.workers = workers
@@ -94,6 +107,7 @@ class Timekeeper:
         self.recovery = recovery or Recovery(
             RecoveryPoints(0, enabled=False), PersistedState(RecoveryPoint(0, start, 0.0)), 0
         )
+        self.retention = retention
         self._stopping = trio.Event()
         # Flushes of one worker must not overlap: a later batch could land before an earlier one.
         self._flush_lock = trio.Lock()
@@ -252,7 +266,12 @@ class Timekeeper:
             ts = stable.timestamp
             started = time.time()
             stable.acquire()  # a newer publish must not close it while the file is written
+            mark: Mark | None = None
             try:
+                if self.retention is not None:
+                    mark = await trio.to_thread.run_sync(
+                        self.retention.history.write_mark, ts, list(self.indexes)
+                    )
                 await trio.to_thread.run_sync(self.store.sync)
                 clean = all(h <= s for h, s in zip(self._store_high, ts.seqnos, strict=True))
                 state = recovery.state
@@ -267,6 +286,8 @@ class Timekeeper:
             else:
                 recovery.state = new_state
                 recovery.points.advance(point.point)
+                if self.retention is not None:
+                    self.retention.history.latest = mark
                 lag = time.time() - stable.created_at
                 self.snapshots.record_persisted(stable, lag)
                 self.persist_lag_seconds.observe(lag)
@@ -282,6 +303,7 @@ class Timekeeper:
                 await trio.to_thread.run_sync(self.store.write, (), stale)
             except OSError as exc:  # the undo records stay: a little space, no harm
                 log.warning("could not prune %d undo records: %s", len(stale), describe(exc))
+        await self._prune_history()
         log.info(
             "snapshot persisted: seqnos summing to %d, lag %.0f ms, sync %.0f ms",
             ts.total,
@@ -289,6 +311,23 @@ class Timekeeper:
             (time.time() - started) * 1000,
         )
         return True
+
+    async def _prune_history(self) -> None:
+        """Drop the change history older than retention, every HISTORY_PRUNE_INTERVAL_S."""
+        retention = self.retention
+        now = time.monotonic()
+        if retention is None or now < retention.next_prune:
+            return
+        retention.next_prune = now + min(HISTORY_PRUNE_INTERVAL_S, retention.keep_s / 10)
+        try:
+            deleted = await trio.to_thread.run_sync(
+                retention.history.prune, retention.keep_s, retention.keep_snapshots
+            )
+        except OSError as exc:  # kept a little longer: no harm
+            log.warning("could not prune the change history: %s", describe(exc))
+            return
+        if deleted:
+            log.info("change history: %d records past retention dropped", deleted)
 
     def _persist_failed(self, exc: OSError) -> None:
         """Log a failed persist: the first of a run, then every PERSIST_FAILURE_LOG_S."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import trio
 
+from indexer.changes import encode_record, history_key
 from indexer.keys import entry_tail
 from indexer.protocol import OP_DELETE, queued_layout
 from indexer.recovery import UndoLog, encode_undo
@@ -246,11 +247,15 @@ class IndexWriter:
         cache: BackIndexCache,
         undo: UndoLog | None = None,
         record_indexes: Sequence[str] | None = None,
+        history: bool = False,
     ):
         """`record_indexes` names the indexes whose keys records carry, in order (by default
         `indexes`): records also carry the keys of indexes still being built, which this
-        writer skips (indexer/build.py)."""
+        writer skips (indexer/build.py). With `history`, every changed document also gets a
+        change-history record in the same batch (indexer/changes.py): maintenance writers
+        only, never a build's (its records would take the keys of maintenance's)."""
         self.store = store
+        self.history = history
         self.indexes = tuple(indexes)
         # Without an undo log (tests, tools) nothing can be rolled back past the store's state.
         self.undo = undo if undo is not None else UndoLog(0, enabled=False)
@@ -274,8 +279,11 @@ class IndexWriter:
             found[docid] = tuple(get(p + docid) or b"" for p in self.back_prefixes)
         return found
 
-    def prepare(self, records: memoryview, chunks: Sequence[int]) -> tuple[Any, FlushResult]:
-        """The WriteBatch applying the queued records at offsets `chunks` of `records`.
+    def prepare(
+        self, records: memoryview, chunks: Sequence[int], vbuckets: Sequence[int] = ()
+    ) -> tuple[Any, FlushResult]:
+        """The WriteBatch applying the queued records at offsets `chunks` of `records`, of
+        `vbuckets` (parallel to `chunks`; needed for the change history).
 
         Call it on the event loop and only `write()` the batch in a thread: plyvel releases the
         GIL on every WriteBatch.put, so a batch built in a thread while the loop runs Python
@@ -290,6 +298,13 @@ class IndexWriter:
         for c in chunks:
             fields = unpack(records, c)
             latest[records[c + head : c + head + fields[2]].tobytes()] = (c, fields)
+        history = self.history
+        vbucket_of: dict[int, int] = {}
+        if history:
+            if len(vbuckets) != len(chunks):
+                raise ValueError("the change history needs the vbucket of every record")
+            vbucket_of = dict(zip(chunks, vbuckets, strict=True))
+        ids = [index.index_id for index in self.indexes]
         cache = self.cache
         if cache.recording is not None:
             cache.recording.update(latest)
@@ -329,6 +344,9 @@ class IndexWriter:
             if record_undo and docid not in touched:
                 touched.add(docid)
                 undo_records.append((docid, old))
+            if history:
+                changed = [(ids[j], old[j], new[j]) for j in indexes if old[j] != new[j]]
+                put(history_key(vbucket_of[c], fields[0]), encode_record(docid, changed))
             for j in indexes:
                 o = old[j]
                 n = new[j]
@@ -376,14 +394,14 @@ class IndexWriter:
         result = FlushResult(len(chunks), len(latest), puts, deletes, tuple(deltas))
         return batch, result
 
-    def apply(self, records: Sequence[bytes]) -> FlushResult:
+    def apply(self, records: Sequence[bytes], vbuckets: Sequence[int] = ()) -> FlushResult:
         """Write the effect of `records` given as bytes (for tools and tests; blocking)."""
         blob = bytearray()
         offsets = []
         for record in records:
             offsets.append(len(blob))
             blob += record
-        batch, result = self.prepare(memoryview(blob), offsets)
+        batch, result = self.prepare(memoryview(blob), offsets, vbuckets)
         batch.write()
         return result
 

@@ -106,10 +106,10 @@ class Worker:
 
     async def flush(self, upto: Sequence[int]) -> FlushResult | None:
         """Write every queued mutation at or below `upto` to the store, then free its chunks."""
-        _, _, chunks, lengths = self.ring.drain(upto)
+        vbuckets, _, chunks, lengths = self.ring.drain(upto)
         if not chunks:
             return None
-        batch, result = self.writer.prepare(self.pool.records, chunks)
+        batch, result = self.writer.prepare(self.pool.records, chunks, vbuckets)
         await self.writes.write(self.writer.store, batch, len(chunks))
         self.pool.free_many(chunks, lengths)
         self._flushed += len(chunks)

@@ -1,5 +1,5 @@
 """The `indexer` command line: serve, feed, router, dump, and the HTTP API's clients (stats,
-list-indexes, scan, count, health, create-index, build-index, drop-index, compact).
+list-indexes, scan, count, changes, health, create-index, build-index, drop-index, compact).
 
 Every error ends the command with a non-zero exit and one line on stderr saying what is wrong.
 The same thing has the same placeholder in every command's help: FILE, DIR, HOST:PORT, URL,
@@ -24,6 +24,7 @@ from indexer.cli.admin import (
     scan,
     stats,
 )
+from indexer.cli.changes import changes
 from indexer.cli.feeds import feed, router, shard_state
 from indexer.cli.serve import serve
 
@@ -54,6 +55,7 @@ for _command in (
     lookup,
     count,
     aggregate,
+    changes,
     health,
     create_index,
     build_index,

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from indexer.asgi import answer_lifespan
 from indexer.client import AUTHORIZATION, RETRY_AFTER
 from indexer.config import check_index_name
-from indexer.http.scans import ScanRoutes
+from indexer.http.changes import ChangeRoutes
 from indexer.http.wire import (
     ACTION_PARAMS,
     BUILD_ROUTE,
@@ -40,7 +40,7 @@ from indexer.scans import ScanRequestError
 log = logging.getLogger("indexer.http")
 
 
-class HttpApi(ScanRoutes):
+class HttpApi(ChangeRoutes):
     """The ASGI application: routing and the token check, then each job's methods."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -148,7 +148,7 @@ class HttpApi(ScanRoutes):
             raise ApiError(
                 404,
                 f"no such route: {path} (an index has /scan, /count, /aggregate, /splits, /types, "
-                "/docs/ID)",
+                "/changes, /docs/ID)",
             )
         _only(method, "GET")
         _params(query, ACTION_PARAMS[action], f"/indexes/NAME/{action}")
@@ -165,6 +165,9 @@ class HttpApi(ScanRoutes):
                 return
             if action == "aggregate":
                 await self.aggregate(index, query, headers, send)
+                return
+            if action == "changes":
+                await self.changes(index, query, headers, send)
                 return
             started = time.perf_counter()
             rows = await self.scan(index, query, headers, send, count_only=action == "count")

@@ -74,6 +74,9 @@ class StatsRoutes(ApiState):
             "builds": {name: asdict(b.status()) for name, b in self._builds()},
             "compaction": None if v.compactor is None else v.compactor.statistics(),
             "rollbacks": None if v.rollback is None else v.rollback.statistics(),
+            "changes": None
+            if v.timekeeper.retention is None
+            else v.timekeeper.retention.history.statistics(),
             "storage": {"level0_files": v.store.level0_files()},
             "collector": None if v.collector is None else asdict(v.collector.statistics()),
             "snapshots": asdict(snaps.statistics()),

@@ -29,7 +29,7 @@ MAX_LEASE_S = 86400.0
 
 CONSISTENCIES = ("any", "request_plus", "at_plus")
 
-INDEX_ACTIONS = ("scan", "count", "splits", "types", "docs", "aggregate")
+INDEX_ACTIONS = ("scan", "count", "splits", "types", "docs", "aggregate", "changes")
 
 READ_METHODS = ("GET", "HEAD")
 
@@ -55,6 +55,7 @@ ACTION_PARAMS = {
     "types": SNAPSHOT_PARAMS,
     "docs": SNAPSHOT_PARAMS,
     "aggregate": (*COUNT_PARAMS, "group_by", "aggregates"),
+    "changes": ("since", "until", "limit", "columns", "wait"),
 }
 
 ROUTE_PARAMS: tuple[str, ...] = ()

@@ -1,0 +1,445 @@
+"""The change history of the indexes: what each flush changed, kept between persisted snapshots.
+
+Every flush writes, in the WriteBatch of the entries it describes, one history record per
+document it changed, keyed by the mutation that changed it last in that flush:
+
+    b"h" + vbucket (u16) + seqno (u64) -> marshal (docid, ((index id, old key, new key), ...))
+    b"m" + mark (u64)                  -> persisted_at (f64) + zlib of the seqnos (u64 each)
+    b"\\x00meta:marks"                  -> the last mark number given (u64): never given twice
+    b"\\x00meta:changes"                -> JSON: the history's id, and the mark each index's
+                                          history starts at
+
+A mark is a persisted snapshot as the feed names it. Published snapshots always hold exactly
+their timestamp, so the changes between marks A and B are the records with A[vb] < seqno <=
+B[vb], and they stay the same across restarts: start-up recovery and rollbacks delete the
+records (and marks) past the timestamp they go back to, after reverting from them whatever the
+store still held past it. The keys are the encoded index keys (back-index values): an array
+index's record names the entries before and after as one value each.
+"""
+
+from __future__ import annotations
+
+import json
+import marshal
+import os
+import struct
+import time
+import zlib
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from indexer.recovery import set_document_key
+from indexer.storage import IndexStore, StoredIndex
+from indexer.timestamps import StabilityTimestamp
+
+HISTORY_PREFIX = b"h"
+MARK_PREFIX = b"m"
+_META_MARKS = b"\x00meta:marks"
+_META_CHANGES = b"\x00meta:changes"
+_POSITION = struct.Struct(">HQ")
+_MARK = struct.Struct(">Q")
+_TIME = struct.Struct(">d")
+Change = tuple[int, bytes, bytes]  # index id, old key, new key (b"": not in the index)
+DELETE_BATCH = 10_000
+
+
+def history_key(vbucket: int, seqno: int) -> bytes:
+    return HISTORY_PREFIX + _POSITION.pack(vbucket, seqno)
+
+
+def encode_record(docid: bytes, changes: Sequence[Change]) -> bytes:
+    """One document's changes in one flush (its key in every index that changed)."""
+    return marshal.dumps((docid, tuple(changes)), 4)
+
+
+def decode_record(value: bytes) -> tuple[bytes, tuple[Change, ...]]:
+    docid, changes = marshal.loads(value)
+    return docid, changes
+
+
+class ChangeTokenError(ValueError):
+    """A token that is not one the feed gave (a 400)."""
+
+
+class HistoryGoneError(Exception):
+    """A token older than the history kept, or from a history that was rolled back (a 410)."""
+
+
+@dataclass(frozen=True)
+class ChangeToken:
+    """Where a reader of the feed is: at mark `since`, or part way from `since` to `until`,
+    having read every record up to (`vbucket`, `seqno`) of that interval."""
+
+    history: str
+    since: int
+    until: int | None = None
+    vbucket: int = 0
+    seqno: int = 0
+
+    def encode(self) -> str:
+        if self.until is None:
+            return f"{self.history}.{self.since}"
+        return f"{self.history}.{self.since}.{self.until}.{self.vbucket}.{self.seqno}"
+
+    @classmethod
+    def decode(cls, text: str) -> ChangeToken:
+        parts = text.strip().split(".")
+        try:
+            if not parts[0] or any(not p.isdigit() for p in parts[1:]):
+                raise ValueError
+            if len(parts) == 2:
+                return cls(parts[0], int(parts[1]))
+            if len(parts) == 5:
+                since, until, vb, seqno = (int(p) for p in parts[1:])
+                if since > until or min(since, vb, seqno) < 0:
+                    raise ValueError
+                return cls(parts[0], since, until, vb, seqno)
+        except ValueError:
+            pass
+        raise ChangeTokenError(f"{text!r} is not a token the change feed gave")
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A persisted snapshot as the feed knows it."""
+
+    number: int
+    timestamp: tuple[int, ...]  # the seqnos
+    persisted_at: float
+
+
+def _encode_mark(seqnos: Sequence[int], persisted_at: float) -> bytes:
+    return _TIME.pack(persisted_at) + zlib.compress(array("Q", seqnos).tobytes(), 1)
+
+
+def _decode_mark(number: int, value: bytes) -> Mark:
+    seqnos = array("Q")
+    seqnos.frombytes(zlib.decompress(value[_TIME.size :]))
+    return Mark(number, tuple(seqnos), _TIME.unpack_from(value)[0])
+
+
+def _covered(seqnos: Sequence[int], by: Sequence[int]) -> bool:
+    return all(a <= b for a, b in zip(seqnos, by, strict=True))
+
+
+@dataclass
+class ChangeRow:
+    """One row of the feed: an entry inserted or deleted, and the mark it first shows in."""
+
+    op: str
+    key: bytes  # encoded, as in the main index
+    docid: bytes
+    snapshot: int
+
+
+class ChangeHistory:
+    """The marks and history records of one store (blocking calls: run them in a thread)."""
+
+    def __init__(self, store: IndexStore, num_vbuckets: int, enabled: bool = True) -> None:
+        self.store = store
+        self.num_vbuckets = num_vbuckets
+        self.enabled = enabled
+        raw = store.get(_META_CHANGES)
+        meta: dict[str, Any] = json.loads(raw) if raw else {}
+        self.history_id: str = meta.get("id") or os.urandom(4).hex()
+        # index id -> (index name, the mark its history starts at)
+        self.starts: dict[int, tuple[str, int]] = {
+            int(i): (str(item[0]), int(item[1])) for i, item in meta.get("starts", {}).items()
+        }
+        found = store.get(_META_MARKS)
+        self.last_number = _MARK.unpack(found)[0] if found else 0
+        self.latest: Mark | None = None  # the mark of the persisted snapshot
+
+    # -- what the store keeps -----------------------------------------------------------------
+
+    def _meta(self) -> bytes:
+        starts = {str(i): [name, mark] for i, (name, mark) in self.starts.items()}
+        return json.dumps({"id": self.history_id, "starts": starts}).encode()
+
+    def marks(self, source: Any = None, start: int = 0) -> Iterator[Mark]:
+        """The marks kept, oldest first, from number `start` on."""
+        db = source if source is not None else self.store.db
+        cut = len(MARK_PREFIX)
+        for key, value in db.iterator(start=MARK_PREFIX + _MARK.pack(start), stop=b"n"):
+            yield _decode_mark(_MARK.unpack_from(key, cut)[0], value)
+
+    def mark(self, number: int, source: Any = None) -> Mark | None:
+        db = source if source is not None else self.store.db
+        value = db.get(MARK_PREFIX + _MARK.pack(number))
+        return None if value is None else _decode_mark(number, value)
+
+    def write_mark(self, timestamp: StabilityTimestamp, indexes: Sequence[StoredIndex]) -> Mark:
+        """Record a snapshot about to be persisted as the next mark; the indexes whose history
+        has no start yet start at it. Not synced: the persist's sync that follows does it."""
+        self.last_number += 1
+        mark = Mark(self.last_number, timestamp.seqnos, time.time())
+        active = {index.index_id for index in indexes}
+        self.starts = {i: start for i, start in self.starts.items() if i in active}
+        for index in indexes:
+            start = self.starts.get(index.index_id)
+            if start is None or start[0] != index.definition.name:
+                self.starts[index.index_id] = (index.definition.name, mark.number)
+        key = MARK_PREFIX + _MARK.pack(mark.number)
+        self.store.write(
+            [
+                (key, _encode_mark(mark.timestamp, mark.persisted_at)),
+                (_META_MARKS, _MARK.pack(mark.number)),
+                (_META_CHANGES, self._meta()),
+            ],
+            (),
+        )
+        return mark
+
+    def forget_index(self, index_id: int) -> None:
+        """An index dropped, or merged after its build: its history starts at the next mark."""
+        self.starts.pop(index_id, None)
+
+    # -- going back ----------------------------------------------------------------------------
+
+    def recover(
+        self,
+        timestamp: StabilityTimestamp,
+        indexes: Sequence[StoredIndex],
+        cleared: bool = False,
+    ) -> int:
+        """Make the store and the history hold exactly `timestamp` (start-up, rollback):
+        documents changed past it go back to their keys at it, read from the records past it,
+        which are deleted with the marks past it. `cleared`: the store was emptied, so is the
+        history. Returns the documents reverted. Durable when it returns."""
+        if cleared:
+            reverted = 0
+            self._delete_range(HISTORY_PREFIX, b"i")
+            self._delete_range(MARK_PREFIX, b"n")
+            self.starts.clear()
+        else:
+            reverted = self._revert_past(timestamp.seqnos, indexes)
+            dead = [m.number for m in self.marks() if not _covered(m.timestamp, timestamp.seqnos)]
+            self.store.write((), [MARK_PREFIX + _MARK.pack(n) for n in dead])
+            if dead:
+                first = min(dead)
+                self.starts = {i: s for i, s in self.starts.items() if s[1] < first}
+        self.store.write([(_META_CHANGES, self._meta())], ())
+        self.store.sync()
+        return reverted
+
+    def open(self, timestamp: StabilityTimestamp, indexes: Sequence[StoredIndex]) -> Mark:
+        """After `recover`: the mark of the persisted snapshot, written if it has none."""
+        latest = None
+        for mark in self.marks():
+            latest = mark
+        if latest is None or latest.timestamp != timestamp.seqnos:
+            latest = self.write_mark(timestamp, indexes)
+            self.store.sync()
+        self.latest = latest
+        return latest
+
+    def _revert_past(self, seqnos: Sequence[int], indexes: Sequence[StoredIndex]) -> int:
+        # Per document, the old keys of its earliest record past the timestamp: its keys there.
+        oldest: dict[bytes, dict[int, bytes]] = {}
+        doomed: list[bytes] = []
+        db = self.store.db
+        for vb in range(self.num_vbuckets):
+            start = history_key(vb, seqnos[vb] + 1)
+            stop = history_key(vb + 1, 0)
+            for key, value in db.iterator(start=start, stop=stop):
+                doomed.append(key)
+                docid, changes = decode_record(value)
+                wanted = oldest.setdefault(docid, {})
+                for index_id, old, _new in changes:
+                    wanted.setdefault(index_id, old)  # seqno order: the first is the oldest
+        # Records of one vbucket come in seqno order, and a document lives in one vbucket.
+        by_id = {index.index_id: index for index in indexes}
+        reverted = 0
+        batch = self.store.write_batch()
+        for docid, wanted in oldest.items():
+            changed = False
+            for index_id, key in wanted.items():
+                index = by_id.get(index_id)
+                if index is not None:  # else dropped since
+                    changed |= set_document_key(self.store, batch, index, docid, key)
+            reverted += changed
+        for key in doomed:
+            batch.delete(key)
+        self.store.commit(batch)
+        return reverted
+
+    def _delete_range(self, start: bytes, stop: bytes) -> int:
+        deleted = 0
+        while True:
+            keys = []
+            for key in self.store.db.iterator(start=start, stop=stop, include_value=False):
+                keys.append(key)
+                if len(keys) >= DELETE_BATCH:
+                    break
+            if not keys:
+                return deleted
+            self.store.write((), keys)
+            deleted += len(keys)
+
+    # -- retention -----------------------------------------------------------------------------
+
+    def prune(self, keep_s: float, keep_marks: int, now: float | None = None) -> int:
+        """Forget the history older than `keep_s` seconds, keeping at least `keep_marks` marks
+        and the latest: the oldest mark kept is where tokens may start. Returns records deleted."""
+        marks = list(self.marks())
+        now = time.time() if now is None else now
+        keep = max(keep_marks, 1)
+        doomed = [m for m in marks[:-keep] if now - m.persisted_at > keep_s]
+        if not doomed:
+            return 0
+        floor = marks[len(doomed)]  # the oldest mark kept
+        deleted = 0
+        for vb in range(self.num_vbuckets):
+            stop = history_key(vb, floor.timestamp[vb] + 1)
+            deleted += self._delete_range(history_key(vb, 0), stop)
+        self.store.write((), [MARK_PREFIX + _MARK.pack(m.number) for m in doomed])
+        return deleted
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def check_start(self, index: StoredIndex, mark: int) -> None:
+        """Raise HistoryGoneError unless the history of `index` is kept from `mark` on."""
+        start = self.starts.get(index.index_id)
+        if start is None or start[0] != index.definition.name:
+            raise HistoryGoneError(
+                f"index {index.definition.name!r} has no change history yet (it starts at the "
+                "next persisted snapshot): read it from a snapshot"
+            )
+        if mark < start[1]:
+            raise HistoryGoneError(
+                f"the change history of index {index.definition.name!r} starts at snapshot "
+                f"{self.history_id}.{start[1]}, after {self.history_id}.{mark}: start again from "
+                "a snapshot (since=snapshot)"
+            )
+
+    def read(
+        self,
+        index: StoredIndex,
+        token: ChangeToken,
+        until: int,
+        source: Any,
+        limit: int | None = None,
+        stop: ChangeToken | None = None,
+    ) -> tuple[list[ChangeRow], ChangeToken]:
+        """The rows of `index` from `token` up to mark `until` (at most `limit`, whole records),
+        read from `source` (a LevelDB snapshot), and the token to read on from.
+
+        `stop`, a token part way through an interval (one a limited read gave), ends the read
+        there instead: the interval must be the one `token` starts or is in, so that reads
+        bounded by tokens (Spark's micro-batches) always answer the same rows."""
+        if stop is not None:
+            if stop.until is None:
+                raise ValueError("stop: a token part way through an interval")
+            if (stop.history, stop.since) != (token.history, token.since) or (
+                token.until is not None
+                and (
+                    token.until != stop.until
+                    or (token.vbucket, token.seqno) > (stop.vbucket, stop.seqno)
+                )
+            ):
+                raise ChangeTokenError("until: a token of the interval since is in, after it")
+            until = stop.until
+        if token.history != self.history_id:
+            raise HistoryGoneError(
+                f"the token is of another change history ({token.history}, this daemon keeps "
+                f"{self.history_id}: a new data directory, or another node): start again from "
+                "a snapshot (since=snapshot)"
+            )
+        if token.until is not None:
+            until = token.until  # the interval a partial token is in is finished first
+        since = self._mark_or_gone(token.since, source)
+        self.check_start(index, since.number)
+        if until < since.number:
+            raise ChangeTokenError(f"until {until} is before the token's snapshot {since.number}")
+        between = [m for m in self.marks(source, since.number + 1) if m.number <= until]
+        if not between or between[-1].number != until:
+            if until == since.number:
+                return [], ChangeToken(self.history_id, since.number)
+            self._mark_or_gone(until, source)
+        # Mark of each change: the first mark whose timestamp reaches its seqno.
+        stamps = np.array([m.timestamp for m in between], dtype=np.uint64)
+        numbers = [m.number for m in between]
+        end = between[-1].timestamp
+        rows: list[ChangeRow] = []
+        index_id = index.index_id
+        entry_keys = index.entry_keys
+        first_vb = token.vbucket if token.until is not None else 0
+        last_vb = stop.vbucket if stop is not None else self.num_vbuckets - 1
+        for vb in range(first_vb, last_vb + 1):
+            low = since.timestamp[vb]
+            if token.until is not None and vb == first_vb:
+                low = max(low, token.seqno)
+            high = end[vb]
+            if stop is not None and vb == last_vb:
+                high = min(high, stop.seqno)
+            if high <= low:
+                continue
+            column = stamps[:, vb]
+            iterator = source.iterator(
+                start=history_key(vb, low + 1), stop=history_key(vb, high + 1)
+            )
+            cut = len(HISTORY_PREFIX) + 2
+            for key, value in iterator:
+                seqno = _MARK.unpack_from(key, cut)[0]
+                docid, changes = decode_record(value)
+                found = [c for c in changes if c[0] == index_id]
+                if found:
+                    _, old, new = found[0]
+                    olds = entry_keys(old)
+                    news = entry_keys(new)
+                    gone = [k for k in olds if k not in news]
+                    came = [k for k in news if k not in olds]
+                    if limit is not None and rows and len(rows) + len(gone) + len(came) > limit:
+                        iterator.close()
+                        before = seqno - 1  # this record is the next page's first
+                        return rows, ChangeToken(self.history_id, since.number, until, vb, before)
+                    mark = numbers[int(np.searchsorted(column, seqno, side="left"))]
+                    rows.extend(ChangeRow("delete", k, docid, mark) for k in gone)
+                    rows.extend(ChangeRow("insert", k, docid, mark) for k in came)
+                if limit is not None and len(rows) >= limit:
+                    iterator.close()
+                    return rows, ChangeToken(self.history_id, since.number, until, vb, seqno)
+        if stop is not None:
+            return rows, stop
+        return rows, ChangeToken(self.history_id, until)
+
+    def _mark_or_gone(self, number: int, source: Any) -> Mark:
+        mark = self.mark(number, source)
+        if mark is not None:
+            return mark
+        if number > self.last_number:
+            raise HistoryGoneError(
+                f"snapshot {self.history_id}.{number} was never persisted here: start again "
+                "from a snapshot (since=snapshot)"
+            )
+        raise HistoryGoneError(
+            f"snapshot {self.history_id}.{number} is no longer kept (older than the change "
+            "history kept, or rolled back): start again from a snapshot (since=snapshot)"
+        )
+
+    def statistics(self) -> dict[str, Any]:
+        """The history kept, for /stats: its marks (the oldest is where tokens may start) and
+        the start of each index's history. Reads the first and last mark and counts keys."""
+        db = self.store.db
+        count = sum(1 for _ in db.iterator(start=MARK_PREFIX, stop=b"n", include_value=False))
+        first = next(db.iterator(start=MARK_PREFIX, stop=b"n"), None)
+        last = next(db.iterator(start=MARK_PREFIX, stop=b"n", reverse=True), None)
+        cut = len(MARK_PREFIX)
+        oldest = (
+            None if first is None else _decode_mark(_MARK.unpack_from(first[0], cut)[0], first[1])
+        )
+        latest = None if last is None else _MARK.unpack_from(last[0], cut)[0]
+        sizes = db.approximate_sizes((HISTORY_PREFIX, b"i"))
+        return {
+            "id": self.history_id,
+            "marks": count,
+            "oldest": None if oldest is None else f"{self.history_id}.{oldest.number}",
+            "latest": None if latest is None else f"{self.history_id}.{latest}",
+            "oldest_age_s": None if oldest is None else round(time.time() - oldest.persisted_at, 3),
+            "approximate_bytes": int(sizes[0]),
+            "starts": {name: f"{self.history_id}.{mark}" for name, mark in self.starts.values()},
+        }

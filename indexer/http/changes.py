@@ -1,0 +1,242 @@
+"""GET /indexes/NAME/changes: the change feed of an index between persisted snapshots."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
+from typing import Any
+
+import pyarrow as pa
+import trio
+
+from indexer.changes import (
+    ChangeHistory,
+    ChangeRow,
+    ChangeToken,
+    ChangeTokenError,
+    HistoryGoneError,
+    Mark,
+)
+from indexer.client import NDJSON, NEXT_HEADER, RETRY_AFTER, SNAPSHOT_HEADER
+from indexer.http.scans import ScanRoutes, _arrow_bodies, _column_kinds, _stream
+from indexer.http.wire import ARROW, SCAN_CHUNK, ApiError, Send, _number
+from indexer.keys import decode_key
+from indexer.scans import COLUMN_KINDS, Row, column_value, json_encode
+from indexer.snapshots import StabilitySnapshot
+from indexer.storage import IndexStore, StoredIndex
+
+CHANGE_STARTS = ("snapshot", "0", "latest")
+"""`since` values that are no token: the whole index at the latest persisted snapshot, then
+its changes ("snapshot", or "0"); or nothing but the token of that snapshot ("latest")."""
+
+MAX_WAIT_S = 300.0
+
+
+def change_schema(index: StoredIndex, kinds: Sequence[str]) -> pa.Schema:
+    """The Arrow columns of the feed: op, the key columns (of `kinds`), id, snapshot."""
+    paths = index.definition.keys
+    fields = [pa.field("op", pa.string())]
+    fields += [pa.field(paths[j], COLUMN_KINDS[kinds[j]]) for j in range(len(paths))]
+    fields += [pa.field("id", pa.string()), pa.field("snapshot", pa.string())]
+    return pa.schema(fields)
+
+
+class ChangeRows:
+    """The rows of a feed answer, a chunk at a time: decoded keys, as NDJSON or Arrow."""
+
+    def __init__(
+        self, index: StoredIndex, history_id: str, rows: Iterator[tuple[str, bytes, bytes, int]]
+    ) -> None:
+        self.count = len(index.definition.keys)
+        self.desc = index.definition.desc
+        self.history_id = history_id
+        self.rows = rows  # (op, encoded key, docid, mark)
+        self.sent = 0
+
+    def _next(self) -> list[tuple[str, list[Any], str, str]]:
+        chunk = []
+        for op, key, docid, mark in islice(self.rows, SCAN_CHUNK):
+            values, _ = decode_key(key, self.count, desc=self.desc)
+            text = docid.decode("utf-8", errors="replace")
+            chunk.append((op, values, text, f"{self.history_id}.{mark}"))
+        self.sent += len(chunk)
+        return chunk
+
+    def ndjson(self) -> bytes | None:
+        chunk = self._next()
+        if not chunk:
+            return None
+        lines = []
+        for op, values, docid, mark in chunk:
+            row = {"op": op, **Row(values, docid).as_json(), "snapshot": mark}
+            lines.append(json_encode(row) + "\n")
+        return "".join(lines).encode()
+
+    def arrow(self, schema: pa.Schema, kinds: Sequence[str], writer: Any) -> bool:
+        chunk = self._next()
+        if not chunk:
+            return False
+        columns = [pa.array([r[0] for r in chunk], pa.string())]
+        for j, kind in enumerate(kinds):
+            values = [column_value(kind, r[1][j]) for r in chunk]
+            columns.append(pa.array(values, COLUMN_KINDS[kind]))
+        columns.append(pa.array([r[2] for r in chunk], pa.string()))
+        columns.append(pa.array([r[3] for r in chunk], pa.string()))
+        writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+        return True
+
+
+def _snapshot_rows(
+    store: IndexStore, index: StoredIndex, snap: StabilitySnapshot, mark: int
+) -> Iterator[tuple[str, bytes, bytes, int]]:
+    """Every entry of the index at a snapshot, as inserts (the start of "snapshot, then
+    changes")."""
+    for entry in store.main_entries(index, snap.store_snapshot):
+        length = int.from_bytes(entry[-2:], "big")  # keys.entry_tail: docid, its length
+        yield "insert", entry[: -2 - length], entry[-2 - length : -2], mark
+
+
+def _change_rows(rows: list[ChangeRow]) -> Iterator[tuple[str, bytes, bytes, int]]:
+    for row in rows:
+        yield row.op, row.key, row.docid, row.snapshot
+
+
+class ChangeRoutes(ScanRoutes):
+    """The change feed of an index (indexer/changes.py), as NDJSON or Arrow."""
+
+    def _history(self) -> ChangeHistory:
+        retention = self.view.timekeeper.retention
+        if retention is None:
+            raise ApiError(
+                409,
+                "this daemon keeps no change history (changes.history = false in its "
+                "configuration): read the index with /scan",
+            )
+        return retention.history
+
+    async def changes(
+        self, index: StoredIndex, query: dict[str, str], headers: dict[str, str], send: Send
+    ) -> int:
+        """Answer GET /indexes/NAME/changes; the rows sent."""
+        history = self._history()
+        since = query.get("since")
+        if since is None:
+            raise ApiError(
+                400, "since: a token the feed gave, or snapshot (the whole index, then changes)"
+            )
+        limit = None
+        if "limit" in query:
+            limit = int(_number(query["limit"], "limit", 1, 2**62))
+            if str(limit) != query["limit"].strip():
+                raise ApiError(400, "limit: a whole number")
+        wait = _number(query.get("wait", "0"), "wait", 0, MAX_WAIT_S)
+        latest = history.latest
+        if latest is None:
+            raise ApiError(503, "no persisted snapshot yet", {RETRY_AFTER: "1"})
+        kinds = _column_kinds(query.get("columns"), len(index.definition.keys))
+        arrow = ARROW in headers.get("accept", "")
+        if not arrow and "columns" in query:
+            raise ApiError(400, "columns: for Arrow answers (Accept: " + ARROW + ")")
+        if since in CHANGE_STARTS:
+            if "until" in query:
+                raise ApiError(400, f"until: not taken with since={since}")
+            return await self._from_snapshot(history, index, since, limit, kinds, arrow, send)
+        stop: ChangeToken | None = None
+        try:
+            token = ChangeToken.decode(since)
+            until = latest.number
+            if "until" in query:
+                end = ChangeToken.decode(query["until"])
+                if end.history != token.history:
+                    raise ChangeTokenError("until: a token of the same history as since")
+                if end.until is None:
+                    until = min(end.since, until)
+                else:
+                    stop = end  # part way through an interval: read to there
+        except ChangeTokenError as exc:
+            raise ApiError(400, str(exc)) from None
+        if wait and token.until is None and token.since >= latest.number:
+            latest = await self._wait_for_mark(history, latest, wait)
+            if "until" not in query:
+                until = latest.number
+        source = self.view.store.snapshot()
+        try:
+            rows, after = await trio.to_thread.run_sync(
+                history.read, index, token, until, source, limit, stop
+            )
+        except HistoryGoneError as exc:
+            raise ApiError(410, str(exc)) from None
+        except ChangeTokenError as exc:
+            raise ApiError(400, str(exc)) from None
+        finally:
+            source.close()
+        end_mark = stop.until if stop is not None else until
+        meta = {NEXT_HEADER: after.encode(), SNAPSHOT_HEADER: f"{history.history_id}.{end_mark}"}
+        answer = ChangeRows(index, history.history_id, _change_rows(rows))
+        await self._send_rows(index, answer, kinds, arrow, meta, send)
+        return answer.sent
+
+    async def _wait_for_mark(self, history: ChangeHistory, latest: Mark, wait: float) -> Mark:
+        """The next mark after `latest`, or `latest` if none comes within `wait` seconds."""
+        with trio.move_on_after(wait):
+            while history.latest is None or history.latest.number <= latest.number:
+                await self.view.snapshots.wait_changed()
+        return history.latest if history.latest is not None else latest
+
+    async def _from_snapshot(
+        self,
+        history: ChangeHistory,
+        index: StoredIndex,
+        since: str,
+        limit: int | None,
+        kinds: Sequence[str],
+        arrow: bool,
+        send: Send,
+    ) -> int:
+        if limit is not None and since != "latest":
+            raise ApiError(
+                400,
+                "limit: a snapshot start is sent whole (read it in pages with /scan and pin, "
+                "then read the changes from its token)",
+            )
+        snaps = self.view.snapshots
+        snap = snaps.persisted_snapshot
+        latest = history.latest
+        if snap is None or latest is None or snap.timestamp.seqnos != latest.timestamp:
+            raise ApiError(503, "a snapshot is being persisted: retry", {RETRY_AFTER: "1"})
+        try:
+            history.check_start(index, latest.number)
+        except HistoryGoneError as exc:
+            raise ApiError(503, str(exc), {RETRY_AFTER: "2"}) from None
+        token = f"{history.history_id}.{latest.number}"
+        meta = {NEXT_HEADER: token, SNAPSHOT_HEADER: token}
+        snap.acquire()
+        try:
+            if not snap.is_open:
+                raise ApiError(503, "the snapshot was released: retry", {RETRY_AFTER: "1"})
+            if since == "latest":
+                rows: Iterator[tuple[str, bytes, bytes, int]] = iter(())
+            else:
+                rows = _snapshot_rows(self.view.store, index, snap, latest.number)
+            answer = ChangeRows(index, history.history_id, rows)
+            await self._send_rows(index, answer, kinds, arrow, meta, send)
+        finally:
+            snap.release()
+        return answer.sent
+
+    async def _send_rows(
+        self,
+        index: StoredIndex,
+        answer: ChangeRows,
+        kinds: Sequence[str],
+        arrow: bool,
+        meta: dict[str, str],
+        send: Send,
+    ) -> None:
+        if arrow:
+            schema = change_schema(index, kinds)
+            write: Callable[[Any], bool] = functools.partial(answer.arrow, schema, kinds)
+            await _stream(send, ARROW, meta, _arrow_bodies(schema, write))
+        else:
+            await _stream(send, NDJSON, meta, answer.ndjson)

@@ -1,0 +1,216 @@
+"""The change feed with a real daemon: replayed over its starting snapshot it gives the index.
+
+The source is the stream client's model (a list of mutations per vbucket); the feed is read
+over HTTP in pages and applied to a set of entries, which must equal the model's index computed
+from the source's documents, never deleting what is not there nor inserting what is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from typing import Any
+
+import httpx
+
+from indexer.client import NEXT_HEADER
+from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model
+from tests.e2e.stream_client import FAST_PERSIST, VBUCKETS, Router, Source
+from tests.e2e.stream_client import feed as feed_once
+
+NAME = "by_city"
+
+
+def feed(daemon: Daemon, source: Source) -> Router:
+    """Stream what the daemon lacks and wait for it to be persisted; a connection closed just
+    before may still own the vbuckets for a moment (STREAM_EXISTS): then again."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return feed_once(daemon, source)
+        except AssertionError as exc:
+            if "STREAM_EXISTS" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _entry(row: dict[str, Any]) -> str:
+    """An entry as the model lists it, as one comparable string."""
+    entry = {"key": row["key"], "id": row["id"]}
+    if "missing" in row:
+        entry["missing"] = row["missing"]
+    return json.dumps(entry, sort_keys=True)
+
+
+def read_changes(
+    daemon: Daemon, since: str, limit: int | None = None, until: str | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Every row from `since` to the latest persisted snapshot (or `until`), page by page,
+    and the token to read on from."""
+    rows: list[dict[str, Any]] = []
+    while True:
+        params: dict[str, Any] = {"since": since}
+        if limit is not None:
+            params["limit"] = limit
+        if until is not None:
+            params["until"] = until
+        answer = httpx.get(f"{daemon.url}/indexes/{NAME}/changes", params=params, timeout=60)
+        assert answer.status_code == 200, answer.text
+        page = [json.loads(line) for line in answer.text.splitlines() if line]
+        if limit is not None:
+            assert len(page) <= limit + 1  # whole records: a delete and its insert together
+        rows += page
+        after = answer.headers[NEXT_HEADER]
+        if after.count(".") != 4:  # a snapshot's token: read to the end
+            return rows, after
+        since = after
+
+
+def replay(entries: set[str], rows: list[dict[str, Any]]) -> None:
+    """Apply the feed's rows in order; a delete of an absent entry or an insert of a present
+    one means the feed disagrees with the index it describes."""
+    for row in rows:
+        entry = _entry(row)
+        if row["op"] == "delete":
+            assert entry in entries, f"deletes what is not there: {row}"
+            entries.remove(entry)
+        else:
+            assert row["op"] == "insert", row
+            assert entry not in entries, f"inserts what is there: {row}"
+            entries.add(entry)
+
+
+def modelled(source: Source) -> set[str]:
+    return {_entry(e) for e in model(source.surviving(), INDEXES[NAME])}
+
+
+def test_changes_replayed_over_the_snapshot_give_the_index(daemon_factory: Any) -> None:
+    daemon = daemon_factory(**FAST_PERSIST).start()
+    source = Source(7)
+    for vb in VBUCKETS:
+        source.write(vb, 80)
+    feed(daemon, source)
+    start, token = read_changes(daemon, "snapshot")
+    assert {r["op"] for r in start} == {"insert"}
+    assert all(r["snapshot"] == token for r in start)
+    entries: set[str] = set()
+    replay(entries, start)
+    assert entries == modelled(source)
+    tokens = [token]
+    for round_ in range(4):
+        for vb in VBUCKETS:
+            source.write(vb, 60)  # updates of the same 60 documents per vbucket, and deletes
+        feed(daemon, source)
+        rows, after = read_changes(daemon, token, limit=7 if round_ % 2 else None)
+        assert rows, "a round of updates changed nothing in the feed"
+        assert {r["op"] for r in rows} <= {"insert", "delete"}
+        marks = [int(r["snapshot"].split(".")[1]) for r in rows]
+        low, high = int(token.split(".")[1]), int(after.split(".")[1])
+        assert all(low < m <= high for m in marks), (low, high, set(marks))
+        replay(entries, rows)
+        assert entries == modelled(source)
+        token = after
+        tokens.append(token)
+    # The same tokens give the same rows, and across a restart too.
+    before = read_changes(daemon, tokens[1], until=tokens[3])
+    paged = read_changes(daemon, tokens[1], limit=3, until=tokens[3])
+    assert paged[0] == before[0] and paged[1] == before[1] == tokens[3]
+    daemon.kill()
+    daemon.start()
+    assert read_changes(daemon, tokens[1], until=tokens[3]) == before
+    rows, _ = read_changes(daemon, tokens[0])
+    replayed: set[str] = set()
+    replay(replayed, start)
+    replay(replayed, rows)
+    assert replayed == modelled(source)
+
+
+def test_a_token_past_a_rollback_is_gone_and_one_before_it_reads_the_new_history(
+    daemon_factory: Any,
+) -> None:
+    daemon = daemon_factory(**FAST_PERSIST).start()
+    source = Source(8)
+    for vb in VBUCKETS:
+        source.write(vb, 100)
+    feed(daemon, source)
+    start, first = read_changes(daemon, "snapshot")
+    source.write(11, 100)
+    feed(daemon, source)
+    _, doomed = read_changes(daemon, first)
+    # vbucket 11's replica had only its first 150 seqnos; it takes over and goes on.
+    source.failover(11, 150)
+    source.write(11, 30)
+    source.write(222, 20)
+    router = feed(daemon, source)
+    assert set(router.reply.rollback) == {11}
+    gone = httpx.get(f"{daemon.url}/indexes/{NAME}/changes", params={"since": doomed}, timeout=60)
+    assert gone.status_code == 410, gone.text
+    assert "start again from a snapshot" in gone.json()["error"]
+    rows, _ = read_changes(daemon, first)
+    entries: set[str] = set()
+    replay(entries, start)
+    replay(entries, rows)
+    assert entries == modelled(source)
+
+
+def test_history_past_retention_is_dropped_and_its_tokens_get_410(daemon_factory: Any) -> None:
+    daemon = daemon_factory(
+        changes={"retention_minutes": 0, "retention_snapshots": 1}, **FAST_PERSIST
+    ).start()
+    source = Source(9)
+    for vb in VBUCKETS:
+        source.write(vb, 50)
+    feed(daemon, source)
+    _, old = read_changes(daemon, "latest")
+    for _ in range(3):
+        for vb in VBUCKETS:
+            source.write(vb, 20)
+        feed(daemon, source)
+    answer = httpx.get(f"{daemon.url}/indexes/{NAME}/changes", params={"since": old}, timeout=60)
+    assert answer.status_code == 410, answer.text
+    assert "no longer kept" in answer.json()["error"]
+    stats = daemon.stats()["changes"]
+    assert stats["marks"] == 1 and stats["oldest"] == stats["latest"] != old
+    bad = httpx.get(f"{daemon.url}/indexes/{NAME}/changes", params={"since": "x"}, timeout=60)
+    assert bad.status_code == 400 and "not a token" in bad.json()["error"]
+
+
+def test_the_changes_command_prints_the_feed(daemon_factory: Any) -> None:
+    daemon = daemon_factory(**FAST_PERSIST).start()
+    source = Source(10)
+    for vb in VBUCKETS:
+        source.write(vb, 40)
+    feed(daemon, source)
+    out = subprocess.run(
+        indexer_command("changes", NAME, "--url", daemon.url, "--limit", "5"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    entries: set[str] = set()
+    replay(entries, rows)
+    assert entries == modelled(source)
+    token = out.stderr.strip().splitlines()[-1].removeprefix("next: ")
+    for vb in VBUCKETS:
+        source.write(vb, 30)
+    feed(daemon, source)
+    more = subprocess.run(
+        indexer_command("changes", NAME, "--url", daemon.url, "--since", token),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert more.returncode == 0, more.stderr
+    replay(entries, [json.loads(line) for line in more.stdout.splitlines()])
+    assert entries == modelled(source)
+    stale = subprocess.run(
+        indexer_command("changes", NAME, "--url", daemon.url, "--since", "nothing.1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stale.returncode == 1 and "HTTP 410" in stale.stderr
+    assert len(stale.stderr.strip().splitlines()) == 1

@@ -1,0 +1,161 @@
+"""The change history on a real LevelDB directory: records beside the entries, marks, reads
+between marks, going back past a timestamp, retention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from indexer.changes import ChangeHistory, ChangeToken, ChangeTokenError, HistoryGoneError
+from indexer.keys import encode_key
+from indexer.storage import IndexStore
+from indexer.timestamps import StabilityTimestamp
+from tests.workers.test_flush import DEFS, back, entries, record
+from workers.flush import BackIndexCache, IndexWriter
+
+VBUCKETS = 4
+
+
+def ts(*seqnos: int) -> StabilityTimestamp:
+    return StabilityTimestamp(tuple(seqnos), (0,) * len(seqnos))
+
+
+@pytest.fixture
+def store(tmp_path: Path):  # type: ignore[no-untyped-def]
+    with IndexStore(tmp_path) as s:
+        yield s
+
+
+def writer(store: IndexStore) -> IndexWriter:
+    indexes = store.ensure_indexes(DEFS)
+    cache = BackIndexCache(1000, len(indexes))
+    cache.load(store, indexes)
+    return IndexWriter(store, indexes, cache, history=True)
+
+
+def rows_of(history: ChangeHistory, store: IndexStore, token: ChangeToken, until: int, **kw):  # type: ignore[no-untyped-def]
+    source = store.snapshot()
+    try:
+        return history.read(store.index("by_city"), token, until, source, **kw)
+    finally:
+        source.close()
+
+
+def test_records_between_marks_are_the_changes_and_pages_read_the_same(store: IndexStore) -> None:
+    w = writer(store)
+    indexes = store.all_indexes()
+    history = ChangeHistory(store, VBUCKETS)
+    first = history.write_mark(ts(0, 0, 0, 0), indexes)
+    w.apply([record(1, "a", "Oslo", 30), record(2, "b", "Rome", 40)], [1, 1])
+    w.apply([record(1, "c", "Lima", 50)], [2])
+    second = history.write_mark(ts(0, 2, 1, 0), indexes)
+    w.apply([record(3, "a", "Kyiv", 30), record(4, "b", deleted=True)], [1, 1])
+    w.apply([record(2, "c", "Lima", 51)], [2])  # by_city unchanged: no row of by_city
+    third = history.write_mark(ts(0, 4, 2, 0), indexes)
+    rows, after = rows_of(history, store, ChangeToken(history.history_id, first.number), 3)
+    seen = [(r.op, r.key, r.docid, r.snapshot) for r in rows]
+    assert seen == [
+        ("insert", encode_key(["Oslo"]), b"a", second.number),
+        ("insert", encode_key(["Rome"]), b"b", second.number),
+        ("delete", encode_key(["Oslo"]), b"a", third.number),
+        ("insert", encode_key(["Kyiv"]), b"a", third.number),
+        ("delete", encode_key(["Rome"]), b"b", third.number),
+        ("insert", encode_key(["Lima"]), b"c", second.number),
+    ]
+    assert after == ChangeToken(history.history_id, third.number)
+    token = ChangeToken(history.history_id, first.number)
+    paged = []
+    pages = []
+    while True:
+        start = token
+        page, token = rows_of(history, store, token, third.number, limit=2)
+        assert len(page) <= 2
+        paged += page
+        pages.append((start, page, token))
+        if token.until is None:
+            break
+    assert paged == rows and token == after
+    # A page's bounds as tokens (a micro-batch's offsets) read that page again.
+    for start, page, end in pages:
+        if end.until is not None:
+            again, at = rows_of(history, store, start, third.number, stop=end)
+            assert (again, at) == (page, end)
+    with pytest.raises(ChangeTokenError, match="after it"):
+        rows_of(history, store, pages[1][2], third.number, stop=pages[0][2])
+    # Whole records: a page of one row does not split a delete from its insert.
+    page, partial = rows_of(
+        history, store, ChangeToken(history.history_id, second.number), 3, limit=1
+    )
+    assert [r.op for r in page] == ["delete", "insert"]
+    assert ChangeToken.decode(partial.encode()) == partial
+
+
+def test_going_back_past_an_unclean_timestamp_reverts_from_the_records(
+    store: IndexStore,
+) -> None:
+    w = writer(store)
+    by_city, by_age = indexes = store.all_indexes()
+    history = ChangeHistory(store, VBUCKETS)
+    w.apply([record(1, "a", "Oslo", 30), record(2, "b", "Rome", 40)], [1, 1])
+    kept = history.write_mark(ts(0, 2, 0, 0), indexes)
+    want = (entries(store, by_city), entries(store, by_age), back(store, by_city))
+    # Written past the mark (a flush under memory pressure, or after the last persist).
+    w.apply([record(3, "a", "Kyiv", 31), record(4, "b", deleted=True)], [1, 1])
+    w.apply([record(5, "a", "Lima", 32), record(6, "d", "Oslo", 1)], [1, 1])
+    history.write_mark(ts(0, 6, 0, 0), indexes)  # persisted to the store, not to the file
+    reverted = history.recover(ts(0, 2, 0, 0), indexes)
+    assert reverted == 3
+    assert (entries(store, by_city), entries(store, by_age), back(store, by_city)) == want
+    assert [m.number for m in history.marks()] == [kept.number]
+    assert not list(store.db.iterator(start=b"h\x00\x01" + (3).to_bytes(8, "big"), stop=b"i"))
+    # Numbers are never given twice: a token of the mark that went answers "gone".
+    again = history.write_mark(ts(0, 2, 0, 0), indexes)
+    assert again.number == kept.number + 2
+    with pytest.raises(HistoryGoneError, match="no longer kept"):
+        rows_of(history, store, ChangeToken(history.history_id, kept.number + 1), again.number)
+
+
+def test_retention_drops_old_history_and_its_tokens(store: IndexStore) -> None:
+    w = writer(store)
+    indexes = store.all_indexes()
+    history = ChangeHistory(store, VBUCKETS)
+    old = history.write_mark(ts(0, 0, 0, 0), indexes)
+    w.apply([record(1, "a", "Oslo", 30)], [3])
+    middle = history.write_mark(ts(0, 0, 0, 1), indexes)
+    w.apply([record(2, "a", "Rome", 30)], [3])
+    latest = history.write_mark(ts(0, 0, 0, 2), indexes)
+    assert history.prune(keep_s=3600, keep_marks=1) == 0  # young enough
+    assert history.prune(keep_s=0, keep_marks=2) == 1  # the record of mark `middle` goes
+    assert [m.number for m in history.marks()] == [middle.number, latest.number]
+    with pytest.raises(HistoryGoneError, match="no longer kept"):
+        rows_of(history, store, ChangeToken(history.history_id, old.number), latest.number)
+    rows, _ = rows_of(history, store, ChangeToken(history.history_id, middle.number), 3)
+    assert [(r.op, r.key) for r in rows] == [
+        ("delete", encode_key(["Oslo"])),
+        ("insert", encode_key(["Rome"])),
+    ]
+    stats = history.statistics()
+    assert stats["marks"] == 2 and stats["oldest"].endswith(f".{middle.number}")
+
+
+def test_an_index_without_history_there_and_tokens_of_another_history_are_gone(
+    store: IndexStore,
+) -> None:
+    writer(store)
+    indexes = store.all_indexes()
+    history = ChangeHistory(store, VBUCKETS)
+    mark = history.write_mark(ts(0, 0, 0, 0), indexes[:1])  # by_age is not active yet
+    with pytest.raises(HistoryGoneError, match="no change history yet"):
+        source = store.snapshot()
+        history.read(store.index("by_age"), ChangeToken(history.history_id, 1), 1, source)
+    with pytest.raises(HistoryGoneError, match="another change history"):
+        rows_of(history, store, ChangeToken("0000", mark.number), mark.number)
+    with pytest.raises(HistoryGoneError, match="never persisted"):
+        rows_of(history, store, ChangeToken(history.history_id, mark.number + 5), 9)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "a.b", "a.1.2", "a.3.1.0.0", "a.-1", "a.1.2.3.x"])
+def test_tokens_that_the_feed_never_gave_are_refused(text: str) -> None:
+    with pytest.raises(ChangeTokenError, match="not a token"):
+        ChangeToken.decode(text)
