@@ -1,17 +1,20 @@
 """The change history of the indexes: what each flush changed, kept between persisted snapshots.
 
 Every flush writes, in the WriteBatch of the entries it describes, one history record per
-document it changed, keyed by the mutation that changed it last in that flush:
+vbucket it changed documents of, keyed by the highest seqno in it: per document, the mutation
+that changed it last in that flush and its keys before and after, in the order of the ids:
 
-    b"h" + vbucket (u16) + seqno (u64) -> marshal (docid, ((index id, old key, new key), ...))
+    b"h" + vbucket (u16) + seqno (u64) -> marshal (index ids, [(seqno, docid, olds, news), ...])
     b"m" + mark (u64)                  -> persisted_at (f64) + zlib of the seqnos (u64 each)
     b"\\x00meta:marks"                  -> the last mark number given (u64): never given twice
     b"\\x00meta:changes"                -> JSON: the history's id, and the mark each index's
                                           history starts at
 
 A mark is a persisted snapshot as the feed names it. Published snapshots always hold exactly
-their timestamp, so the changes between marks A and B are the records with A[vb] < seqno <=
-B[vb], and they stay the same across restarts: start-up recovery and rollbacks delete the
+their timestamp (a flush never straddles one), so the changes between marks A and B are the
+changes with A[vb] < seqno <= B[vb], in records keyed in that range, and they stay the same
+across restarts (one record per flush and vbucket costs a put and a marshal call per vbucket,
+not per document): start-up recovery and rollbacks delete the
 records (and marks) past the timestamp they go back to, after reverting from them whatever the
 store still held past it. The keys are the encoded index keys (back-index values): an array
 index's record names the entries before and after as one value each.
@@ -40,10 +43,10 @@ HISTORY_PREFIX = b"h"
 MARK_PREFIX = b"m"
 _META_MARKS = b"\x00meta:marks"
 _META_CHANGES = b"\x00meta:changes"
+HISTORY_FORMAT = 2  # 2: a record per flush and vbucket (1: per document)
 _POSITION = struct.Struct(">HQ")
 _MARK = struct.Struct(">Q")
 _TIME = struct.Struct(">d")
-Change = tuple[int, bytes, bytes]  # index id, old key, new key (b"": not in the index)
 DELETE_BATCH = 10_000
 
 
@@ -51,14 +54,18 @@ def history_key(vbucket: int, seqno: int) -> bytes:
     return HISTORY_PREFIX + _POSITION.pack(vbucket, seqno)
 
 
-def encode_record(docid: bytes, changes: Sequence[Change]) -> bytes:
-    """One document's changes in one flush (its key in every index that changed)."""
-    return marshal.dumps((docid, tuple(changes)), 4)
+Change = tuple[int, bytes, tuple[bytes, ...], tuple[bytes, ...]]  # seqno, docid, olds, news
 
 
-def decode_record(value: bytes) -> tuple[bytes, tuple[Change, ...]]:
-    docid, changes = marshal.loads(value)
-    return docid, changes
+def encode_group(ids: tuple[int, ...], changes: list[Change]) -> bytes:
+    """The changes of one flush in one vbucket, in seqno order: the keys of every index the
+    writer writes (ids), before and after, as the flush has them (no per-index work)."""
+    return marshal.dumps((ids, changes), 4)
+
+
+def decode_group(value: bytes) -> tuple[tuple[int, ...], list[Change]]:
+    ids, changes = marshal.loads(value)
+    return ids, changes
 
 
 class ChangeTokenError(ValueError):
@@ -145,6 +152,10 @@ class ChangeHistory:
         self.enabled = enabled
         raw = store.get(_META_CHANGES)
         meta: dict[str, Any] = json.loads(raw) if raw else {}
+        # History of another format is dropped at `recover`, and its tokens with it.
+        self.stale = raw is not None and meta.get("format", 1) != HISTORY_FORMAT
+        if self.stale:
+            meta = {}
         self.history_id: str = meta.get("id") or os.urandom(4).hex()
         # index id -> (index name, the mark its history starts at)
         self.starts: dict[int, tuple[str, int]] = {
@@ -158,7 +169,8 @@ class ChangeHistory:
 
     def _meta(self) -> bytes:
         starts = {str(i): [name, mark] for i, (name, mark) in self.starts.items()}
-        return json.dumps({"id": self.history_id, "starts": starts}).encode()
+        body = {"format": HISTORY_FORMAT, "id": self.history_id, "starts": starts}
+        return json.dumps(body).encode()
 
     def marks(self, source: Any = None, start: int = 0) -> Iterator[Mark]:
         """The marks kept, oldest first, from number `start` on."""
@@ -210,7 +222,8 @@ class ChangeHistory:
         documents changed past it go back to their keys at it, read from the records past it,
         which are deleted with the marks past it. `cleared`: the store was emptied, so is the
         history. Returns the documents reverted. Durable when it returns."""
-        if cleared:
+        if cleared or self.stale:
+            self.stale = False
             reverted = 0
             self._delete_range(HISTORY_PREFIX, b"i")
             self._delete_range(MARK_PREFIX, b"n")
@@ -247,10 +260,11 @@ class ChangeHistory:
             stop = history_key(vb + 1, 0)
             for key, value in db.iterator(start=start, stop=stop):
                 doomed.append(key)
-                docid, changes = decode_record(value)
-                wanted = oldest.setdefault(docid, {})
-                for index_id, old, _new in changes:
-                    wanted.setdefault(index_id, old)  # seqno order: the first is the oldest
+                ids, changes = decode_group(value)
+                for _seqno, docid, olds, _news in changes:
+                    wanted = oldest.setdefault(docid, {})
+                    for index_id, old in zip(ids, olds, strict=True):
+                        wanted.setdefault(index_id, old)  # seqno order: the first is the oldest
         # Records of one vbucket come in seqno order, and a document lives in one vbucket.
         by_id = {index.index_id: index for index in indexes}
         reverted = 0
@@ -379,30 +393,38 @@ class ChangeHistory:
             if high <= low:
                 continue
             column = stamps[:, vb]
+            # Records are keyed by their highest seqno: those of the flushes up to end[vb].
             iterator = source.iterator(
-                start=history_key(vb, low + 1), stop=history_key(vb, high + 1)
+                start=history_key(vb, low + 1), stop=history_key(vb, end[vb] + 1), include_key=False
             )
-            cut = len(HISTORY_PREFIX) + 2
-            for key, value in iterator:
-                seqno = _MARK.unpack_from(key, cut)[0]
-                docid, changes = decode_record(value)
-                found = [c for c in changes if c[0] == index_id]
-                if found:
-                    _, old, new = found[0]
-                    olds = entry_keys(old)
-                    news = entry_keys(new)
-                    gone = [k for k in olds if k not in news]
-                    came = [k for k in news if k not in olds]
-                    if limit is not None and rows and len(rows) + len(gone) + len(came) > limit:
+            for value in iterator:
+                ids, changes = decode_group(value)
+                if index_id not in ids:
+                    continue  # written before the index was active
+                position = ids.index(index_id)
+                for seqno, docid, old_keys, new_keys in changes:
+                    if seqno <= low:
+                        continue
+                    if seqno > high:
+                        break
+                    old = old_keys[position]
+                    new = new_keys[position]
+                    if old != new:
+                        olds = entry_keys(old)
+                        news = entry_keys(new)
+                        gone = [k for k in olds if k not in news]
+                        came = [k for k in news if k not in olds]
+                        if limit is not None and rows and len(rows) + len(gone) + len(came) > limit:
+                            iterator.close()
+                            before = seqno - 1  # this change is the next page's first
+                            token = ChangeToken(self.history_id, since.number, until, vb, before)
+                            return rows, token
+                        mark = numbers[int(np.searchsorted(column, seqno, side="left"))]
+                        rows.extend(ChangeRow("delete", k, docid, mark) for k in gone)
+                        rows.extend(ChangeRow("insert", k, docid, mark) for k in came)
+                    if limit is not None and len(rows) >= limit:
                         iterator.close()
-                        before = seqno - 1  # this record is the next page's first
-                        return rows, ChangeToken(self.history_id, since.number, until, vb, before)
-                    mark = numbers[int(np.searchsorted(column, seqno, side="left"))]
-                    rows.extend(ChangeRow("delete", k, docid, mark) for k in gone)
-                    rows.extend(ChangeRow("insert", k, docid, mark) for k in came)
-                if limit is not None and len(rows) >= limit:
-                    iterator.close()
-                    return rows, ChangeToken(self.history_id, since.number, until, vb, seqno)
+                        return rows, ChangeToken(self.history_id, since.number, until, vb, seqno)
         if stop is not None:
             return rows, stop
         return rows, ChangeToken(self.history_id, until)

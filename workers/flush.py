@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from indexer.changes import encode_record, history_key
+from indexer.changes import encode_group, history_key
 from indexer.keys import entry_tail
 from indexer.protocol import OP_DELETE, queued_layout
 from indexer.recovery import UndoLog, encode_undo
@@ -251,8 +251,8 @@ class IndexWriter:
     ):
         """`record_indexes` names the indexes whose keys records carry, in order (by default
         `indexes`): records also carry the keys of indexes still being built, which this
-        writer skips (indexer/build.py). With `history`, every changed document also gets a
-        change-history record in the same batch (indexer/changes.py): maintenance writers
+        writer skips (indexer/build.py). With `history`, the documents changed in each vbucket
+        also get a change-history record in the same batch (indexer/changes.py): maintenance writers
         only, never a build's (its records would take the keys of maintenance's)."""
         self.store = store
         self.history = history
@@ -304,7 +304,8 @@ class IndexWriter:
             if len(vbuckets) != len(chunks):
                 raise ValueError("the change history needs the vbucket of every record")
             vbucket_of = dict(zip(chunks, vbuckets, strict=True))
-        ids = [index.index_id for index in self.indexes]
+        changes_by_vbucket: dict[int, list[Any]] = {}
+        ids = tuple(index.index_id for index in self.indexes)
         cache = self.cache
         if cache.recording is not None:
             cache.recording.update(latest)
@@ -345,8 +346,11 @@ class IndexWriter:
                 touched.add(docid)
                 undo_records.append((docid, old))
             if history:
-                changed = [(ids[j], old[j], new[j]) for j in indexes if old[j] != new[j]]
-                put(history_key(vbucket_of[c], fields[0]), encode_record(docid, changed))
+                vbucket = vbucket_of[c]
+                group = changes_by_vbucket.get(vbucket)
+                if group is None:
+                    group = changes_by_vbucket[vbucket] = []
+                group.append((fields[0], docid, old, new))
             for j in indexes:
                 o = old[j]
                 n = new[j]
@@ -390,6 +394,9 @@ class IndexWriter:
                 entries[docid] = new
         if undo_records:
             put(undo.key(), encode_undo(self.indexes, undo_records))
+        for vbucket, group in changes_by_vbucket.items():
+            group.sort()  # seqno order; one document per seqno
+            put(history_key(vbucket, group[-1][0]), encode_group(ids, group))
         cache.trim()
         result = FlushResult(len(chunks), len(latest), puts, deletes, tuple(deltas))
         return batch, result

@@ -159,3 +159,22 @@ def test_an_index_without_history_there_and_tokens_of_another_history_are_gone(
 def test_tokens_that_the_feed_never_gave_are_refused(text: str) -> None:
     with pytest.raises(ChangeTokenError, match="not a token"):
         ChangeToken.decode(text)
+
+
+def test_history_of_another_format_is_dropped_with_its_tokens(store: IndexStore) -> None:
+    w = writer(store)
+    indexes = store.all_indexes()
+    history = ChangeHistory(store, VBUCKETS)
+    old = history.write_mark(ts(0, 0, 0, 0), indexes)
+    w.apply([record(1, "a", "Oslo", 30)], [1])
+    history.write_mark(ts(0, 1, 0, 0), indexes)
+    store.write([(b"\x00meta:changes", b'{"id": "0bad", "starts": {}}')], ())  # format 1
+    again = ChangeHistory(store, VBUCKETS)
+    assert again.stale and again.history_id != "0bad"
+    again.recover(ts(0, 1, 0, 0), indexes)
+    assert not list(store.db.iterator(prefix=b"h")) and not list(again.marks())
+    mark = again.open(ts(0, 1, 0, 0), indexes)
+    assert mark.number > old.number + 1
+    with pytest.raises(HistoryGoneError, match="another change history"):
+        rows_of(again, store, ChangeToken("0bad", old.number), mark.number)
+    assert not ChangeHistory(store, VBUCKETS).stale
