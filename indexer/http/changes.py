@@ -97,6 +97,34 @@ def _snapshot_rows(
         yield "insert", entry[: -2 - length], entry[-2 - length : -2], mark
 
 
+def _rows_at(
+    store: IndexStore,
+    index: StoredIndex,
+    snap: StabilitySnapshot,
+    since: list[ChangeRow],
+    mark: int,
+) -> Iterator[tuple[str, bytes, bytes, int]]:
+    """Every entry of the index at an older mark, as inserts: the entries of `snap` of the
+    documents that did not change since, then those that did with their changes taken back
+    (memory holds the changed documents only)."""
+    changed: dict[bytes, set[bytes]] = {row.docid: set() for row in since}
+    for op, key, docid, _ in _snapshot_rows(store, index, snap, mark):
+        keys = changed.get(docid)
+        if keys is None:
+            yield op, key, docid, mark
+        else:
+            keys.add(key)
+    for row in reversed(since):  # a document's changes are in the order they happened
+        keys = changed[row.docid]
+        if row.op == "insert":
+            keys.discard(row.key)
+        else:
+            keys.add(row.key)
+    for docid, keys in changed.items():
+        for key in sorted(keys):
+            yield "insert", key, docid, mark
+
+
 def _change_rows(rows: list[ChangeRow]) -> Iterator[tuple[str, bytes, bytes, int]]:
     for row in rows:
         yield row.op, row.key, row.docid, row.snapshot
@@ -139,9 +167,17 @@ class ChangeRoutes(ScanRoutes):
         if not arrow and "columns" in query:
             raise ApiError(400, "columns: for Arrow answers (Accept: " + ARROW + ")")
         if since in CHANGE_STARTS:
+            at = None
             if "until" in query:
-                raise ApiError(400, f"until: not taken with since={since}")
-            return await self._from_snapshot(history, index, since, limit, kinds, arrow, send)
+                if since == "latest":
+                    raise ApiError(400, "until: not taken with since=latest")
+                try:
+                    at = ChangeToken.decode(query["until"])
+                    if at.until is not None:
+                        raise ChangeTokenError("until: a snapshot's token with since=snapshot")
+                except ChangeTokenError as exc:
+                    raise ApiError(400, str(exc)) from None
+            return await self._from_snapshot(history, index, since, limit, kinds, arrow, send, at)
         stop: ChangeToken | None = None
         try:
             token = ChangeToken.decode(since)
@@ -193,7 +229,10 @@ class ChangeRoutes(ScanRoutes):
         kinds: Sequence[str],
         arrow: bool,
         send: Send,
+        at: ChangeToken | None = None,
     ) -> int:
+        """The whole index at the latest persisted snapshot, or at the older one `at` (the
+        latest's entries with the changes since `at` taken back), as inserts."""
         if limit is not None and since != "latest":
             raise ApiError(
                 400,
@@ -209,7 +248,12 @@ class ChangeRoutes(ScanRoutes):
             history.check_start(index, latest.number)
         except HistoryGoneError as exc:
             raise ApiError(503, str(exc), {RETRY_AFTER: "2"}) from None
-        token = f"{history.history_id}.{latest.number}"
+        mark = latest.number if at is None else at.since
+        if at is not None and at.history != history.history_id:
+            raise ApiError(410, f"until: a token of another change history ({at.history})")
+        if mark > latest.number:
+            raise ApiError(400, f"until: {at.encode() if at else ''} is not persisted yet")
+        token = f"{history.history_id}.{mark}"
         meta = {NEXT_HEADER: token, SNAPSHOT_HEADER: token}
         snap.acquire()
         try:
@@ -217,8 +261,25 @@ class ChangeRoutes(ScanRoutes):
                 raise ApiError(503, "the snapshot was released: retry", {RETRY_AFTER: "1"})
             if since == "latest":
                 rows: Iterator[tuple[str, bytes, bytes, int]] = iter(())
+            elif mark == latest.number:
+                rows = _snapshot_rows(self.view.store, index, snap, mark)
             else:
-                rows = _snapshot_rows(self.view.store, index, snap, latest.number)
+                # Marks are written after their snapshot was published: a fresh store
+                # snapshot holds them, and the same records up to the latest mark.
+                source = self.view.store.snapshot()
+                try:
+                    back, _ = await trio.to_thread.run_sync(
+                        history.read,
+                        index,
+                        ChangeToken(history.history_id, mark),
+                        latest.number,
+                        source,
+                    )
+                except HistoryGoneError as exc:
+                    raise ApiError(410, str(exc)) from None
+                finally:
+                    source.close()
+                rows = _rows_at(self.view.store, index, snap, back, mark)
             answer = ChangeRows(index, history.history_id, rows)
             await self._send_rows(index, answer, kinds, arrow, meta, send)
         finally:

@@ -20,7 +20,8 @@ DEFAULT_TIMEOUT_S = 120.0
 SNAPSHOTS = ("persisted", "stable")
 OPTIONS = (
     "url path cluster_map index partitions snapshot consistency at_plus pin lease_s timeout "
-    "pushdown columns order token token_file tls tls_ca"
+    "pushdown columns order token token_file tls tls_ca "
+    "startingoffsets endingoffsets maxentriespertrigger"  # the change feed (spark/stream.py)
 )
 COLUMNS = ("typed", "json")
 

@@ -57,6 +57,13 @@ from indexer.spark.pins import (
     share_partitions,
 )
 from indexer.spark.rows import BadRow, RowShape
+from indexer.spark.stream import (
+    FeedOptions,
+    IndexerFeedReader,
+    IndexerStreamReader,
+    feed_schema,
+    reads_changes,
+)
 from indexer.spark.writer import IndexerWriter, WriterOptions, find_owners
 
 
@@ -102,14 +109,31 @@ class IndexerDataSource(DataSource):
 
     def schema(self) -> StructType:
         """The id and a column per key: of the Spark type of what the index holds there (JSON
-        text where it holds several types), or all JSON text with columns=json."""
+        text where it holds several types), or all JSON text with columns=json; a read of the
+        change feed (startingOffsets given) has `op` first and `snapshot` last."""
         options = SourceOptions.parse(self.options)
         keys = _keys(options)
         if options.columns == "json":
-            return default_schema(keys)
-        return typed_schema(keys, [column_kind(t) for t in _types(options)])
+            found = default_schema(keys)
+        else:
+            found = typed_schema(keys, [column_kind(t) for t in _types(options)])
+        return feed_schema(found) if reads_changes(self.options) else found
 
-    def reader(self, schema: StructType) -> IndexerReader:
+    def streamReader(self, schema: StructType) -> IndexerStreamReader:
+        """`spark.readStream.format("indexer")`: the index's change feed (spark/stream.py)."""
+        if not reads_changes(self.options):
+            raise IndexerSourceError(
+                "a stream reads the change feed: say where it starts with .option("
+                '"startingOffsets", "snapshot") (every entry, then the changes), "latest" or a '
+                "token"
+            )
+        options = SourceOptions.parse(self.options)
+        return IndexerStreamReader(FeedOptions.parse(self.options), schema, _keys(options))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        if reads_changes(self.options):
+            options = SourceOptions.parse(self.options)
+            return IndexerFeedReader(FeedOptions.parse(self.options), schema, _keys(options))
         options = SourceOptions.parse(self.options, self.default_pushdown)
         parts = options.partitions or self.default_partitions or DEFAULT_PARTITIONS
         reader = PushdownIndexerReader if options.pushdown else IndexerReader

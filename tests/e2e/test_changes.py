@@ -98,6 +98,7 @@ def test_changes_replayed_over_the_snapshot_give_the_index(daemon_factory: Any) 
     replay(entries, start)
     assert entries == modelled(source)
     tokens = [token]
+    held = {token: set(entries)}  # the index at each token, as the model gives it
     for round_ in range(4):
         for vb in VBUCKETS:
             source.write(vb, 60)  # updates of the same 60 documents per vbucket, and deletes
@@ -112,6 +113,12 @@ def test_changes_replayed_over_the_snapshot_give_the_index(daemon_factory: Any) 
         assert entries == modelled(source)
         token = after
         tokens.append(token)
+        held[token] = set(entries)
+    # The whole index at an older snapshot: the latest's entries with the changes taken back.
+    for older in tokens[:-1]:
+        at, end = read_changes(daemon, "snapshot", until=older)
+        assert end == older and {r["op"] for r in at} == {"insert"}
+        assert {_entry(r) for r in at} == held[older] and len(at) == len(held[older])
     # The same tokens give the same rows, and across a restart too.
     before = read_changes(daemon, tokens[1], until=tokens[3])
     paged = read_changes(daemon, tokens[1], limit=3, until=tokens[3])

@@ -1,0 +1,176 @@
+"""Spark Structured Streaming over the change feed: `spark.readStream.format("indexer")`.
+
+A query appends every micro-batch to Parquet through `foreachBatch`; replaying the Parquet
+changes in batch order over nothing gives exactly the index, compared with a model computed
+from the source's documents. The query runs in several runs from its checkpoint (each a
+restart), with the daemon SIGKILLed between two of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from indexer.spark import error_message, session
+from tests.e2e.stream_client import VBUCKETS, Source, feed
+from tests.harness import Daemon, model
+
+pytestmark = [pytest.mark.spark, pytest.mark.e2e]
+
+NAME = "by_city"
+PATHS = ["address.city", "age"]
+FAST = "[snapshots]\npersist_interval_ms = 100\nin_memory_interval_ms = 20\n"
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[SparkSession]:
+    spark = session("indexer-stream-tests", "local[2]")
+    yield spark
+    spark.stop()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    daemon = Daemon.in_workdir(tmp_path / "daemon", FAST).start()
+    yield daemon
+    daemon.kill()
+
+
+def run_query(spark: SparkSession, daemon: Daemon, out: Path, checkpoint: Path, **options: str):  # type: ignore[no-untyped-def]
+    """One run of the query from its checkpoint until it has read everything available."""
+    stream = (
+        spark.readStream.format("indexer")
+        .option("url", daemon.url)
+        .option("index", NAME)
+        .option("columns", "json")
+    )
+    for key, value in options.items():
+        stream = stream.option(key, value)
+
+    def append(batch: DataFrame, batch_id: int) -> None:
+        # One partition: monotonically_increasing_id keeps the feed's order within a batch.
+        rows = batch.withColumn("batch", F.lit(batch_id)).withColumn(
+            "ordinal", F.monotonically_increasing_id()
+        )
+        rows.write.mode("append").parquet(str(out))
+
+    query = (
+        stream.load()
+        .writeStream.foreachBatch(append)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(300)
+    assert query.exception() is None, query.exception()
+
+
+def replayed(spark: SparkSession, out: Path) -> tuple[set[str], list[int]]:
+    """The entries the Parquet changes give, applied in order; and the batch ids seen."""
+    rows = spark.read.parquet(str(out)).orderBy("batch", "ordinal").collect()
+    entries: set[str] = set()
+    for row in rows:
+        key = [None if row[c] is None else json.loads(row[c]) for c in ("address_city", "age")]
+        entry = json.dumps([key, row["id"]])
+        if row["op"] == "delete":
+            assert entry in entries, f"batch {row['batch']} deletes what is not there: {row}"
+            entries.remove(entry)
+        else:
+            assert entry not in entries, f"batch {row['batch']} inserts it twice: {row}"
+            entries.add(entry)
+    return entries, sorted({row["batch"] for row in rows})
+
+
+def modelled(source: Source) -> set[str]:
+    return {json.dumps([e["key"], e["id"]]) for e in model(source.surviving(), PATHS)}
+
+
+def test_a_stream_appended_to_parquet_replays_to_the_index_across_restarts(
+    spark: SparkSession, daemon: Daemon, tmp_path: Path
+) -> None:
+    source = Source(21)
+    for vb in VBUCKETS:
+        source.write(vb, 80)
+    feed(daemon, source)
+    out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
+    run_query(spark, daemon, out, checkpoint, startingOffsets="snapshot", maxEntriesPerTrigger="40")
+    entries, batches = replayed(spark, out)
+    assert entries == modelled(source)
+    first_batches = len(batches)
+    for round_ in range(3):
+        for vb in VBUCKETS:
+            source.write(vb, 50)  # updates of the same documents, and deletes
+        feed(daemon, source)
+        if round_ == 1:  # the daemon dies; the query's tokens outlive it
+            daemon.kill()
+            daemon.start()
+        run_query(
+            spark, daemon, out, checkpoint, startingOffsets="snapshot", maxEntriesPerTrigger="40"
+        )
+        entries, batches = replayed(spark, out)
+        assert entries == modelled(source), f"round {round_}"
+    assert batches == list(range(len(batches))) and len(batches) > first_batches + 3
+
+
+def test_a_batch_read_between_two_offsets_gives_the_changes(
+    spark: SparkSession, daemon: Daemon, tmp_path: Path
+) -> None:
+    source = Source(22)
+    for vb in VBUCKETS:
+        source.write(vb, 60)
+    feed(daemon, source)
+    start = (
+        spark.read.format("indexer")
+        .option("url", daemon.url)
+        .option("index", NAME)
+        .option("columns", "json")
+        .option("startingOffsets", "snapshot")
+        .load()
+    )
+    first = start.collect()
+    assert {r["op"] for r in first} == {"insert"}
+    token = first[0]["snapshot"]
+    for vb in VBUCKETS:
+        source.write(vb, 40)
+    feed(daemon, source)
+    changes = (
+        spark.read.format("indexer")
+        .option("url", daemon.url)
+        .option("index", NAME)
+        .option("columns", "json")
+        .option("startingOffsets", token)
+        .load()
+    )
+    assert changes.columns == ["op", "id", "address_city", "age", "snapshot"]
+    rows = changes.collect()
+    assert rows and {r["op"] for r in rows} <= {"insert", "delete"}
+    entries = {
+        json.dumps([[json.loads(r["address_city"]), json.loads(r["age"])], r["id"]]) for r in first
+    }
+    for r in rows:
+        entry = json.dumps([[json.loads(r["address_city"]), json.loads(r["age"])], r["id"]])
+        if r["op"] == "delete":
+            entries.remove(entry)
+        else:
+            entries.add(entry)
+    assert entries == modelled(source)
+
+
+def test_a_stream_without_a_start_and_a_bad_token_fail_with_one_line(
+    spark: SparkSession, daemon: Daemon
+) -> None:
+    with pytest.raises(Exception) as caught:
+        spark.readStream.format("indexer").option("url", daemon.url).option(
+            "index", NAME
+        ).load().writeStream.format("console").start().awaitTermination(60)
+    assert "startingOffsets" in error_message(caught.value)
+    with pytest.raises(Exception) as bad:
+        spark.read.format("indexer").option("url", daemon.url).option("index", NAME).option(
+            "startingOffsets", "yesterday"
+        ).load().collect()
+    assert "startingOffsets" in error_message(bad.value)
