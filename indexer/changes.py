@@ -26,6 +26,7 @@ import json
 import marshal
 import os
 import struct
+import threading
 import time
 import zlib
 from array import array
@@ -133,6 +134,15 @@ def _covered(seqnos: Sequence[int], by: Sequence[int]) -> bool:
     return all(a <= b for a, b in zip(seqnos, by, strict=True))
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A consumer's hold on the history from a mark on, until a wall-clock time."""
+
+    name: str
+    mark: int
+    expires_at: float
+
+
 @dataclass
 class ChangeRow:
     """One row of the feed: an entry inserted or deleted, and the mark it first shows in."""
@@ -161,6 +171,13 @@ class ChangeHistory:
         self.starts: dict[int, tuple[str, int]] = {
             int(i): (str(item[0]), int(item[1])) for i, item in meta.get("starts", {}).items()
         }
+        # Consumer name -> Lease: history from its mark is kept while the lease holds. Leases
+        # change from request threads and prunes: under the lock.
+        self._lease_lock = threading.Lock()
+        self.leases: dict[str, Lease] = {
+            str(name): Lease(str(name), int(item[0]), float(item[1]))
+            for name, item in meta.get("leases", {}).items()
+        }
         found = store.get(_META_MARKS)
         self.last_number = _MARK.unpack(found)[0] if found else 0
         self.latest: Mark | None = None  # the mark of the persisted snapshot
@@ -169,8 +186,37 @@ class ChangeHistory:
 
     def _meta(self) -> bytes:
         starts = {str(i): [name, mark] for i, (name, mark) in self.starts.items()}
+        # A copy first: the copy is atomic where a walk of a dict another thread changes is not.
+        leases = {
+            lease.name: [lease.mark, lease.expires_at] for lease in list(self.leases.values())
+        }
         body = {"format": HISTORY_FORMAT, "id": self.history_id, "starts": starts}
+        body["leases"] = leases
         return json.dumps(body).encode()
+
+    def hold(self, name: str, token: ChangeToken, lease_s: float) -> Lease:
+        """Keep the history from `token` on for `lease_s` seconds for consumer `name` (a new
+        lease, or one moved forward: a consumer's commit). Raises HistoryGoneError if that
+        history is gone already."""
+        if token.history != self.history_id:
+            raise HistoryGoneError(f"the token is of another change history ({token.history})")
+        if self.mark(token.since) is None:
+            raise HistoryGoneError(
+                f"snapshot {token.encode()} is no longer kept: a lease cannot bring it back"
+            )
+        lease = Lease(name, token.since, time.time() + lease_s)
+        with self._lease_lock:
+            self.leases[name] = lease
+            self.store.write([(_META_CHANGES, self._meta())], ())
+        return lease
+
+    def release(self, name: str) -> bool:
+        """End a consumer's lease; whether there was one."""
+        with self._lease_lock:
+            if self.leases.pop(name, None) is None:
+                return False
+            self.store.write([(_META_CHANGES, self._meta())], ())
+        return True
 
     def marks(self, source: Any = None, start: int = 0) -> Iterator[Mark]:
         """The marks kept, oldest first, from number `start` on."""
@@ -301,8 +347,19 @@ class ChangeHistory:
         and the latest: the oldest mark kept is where tokens may start. Returns records deleted."""
         marks = list(self.marks())
         now = time.time() if now is None else now
+        with self._lease_lock:
+            expired = [name for name, lease in self.leases.items() if lease.expires_at <= now]
+            for name in expired:
+                del self.leases[name]
+            if expired:
+                self.store.write([(_META_CHANGES, self._meta())], ())
+            held = min((lease.mark for lease in self.leases.values()), default=None)
         keep = max(keep_marks, 1)
-        doomed = [m for m in marks[:-keep] if now - m.persisted_at > keep_s]
+        doomed = []
+        for m in marks[:-keep]:
+            if now - m.persisted_at <= keep_s or (held is not None and m.number >= held):
+                break
+            doomed.append(m)
         if not doomed:
             return 0
         floor = marks[len(doomed)]  # the oldest mark kept
@@ -464,4 +521,11 @@ class ChangeHistory:
             "oldest_age_s": None if oldest is None else round(time.time() - oldest.persisted_at, 3),
             "approximate_bytes": int(sizes[0]),
             "starts": {name: f"{self.history_id}.{mark}" for name, mark in self.starts.values()},
+            "leases": {
+                lease.name: {
+                    "token": f"{self.history_id}.{lease.mark}",
+                    "expires_in_s": round(lease.expires_at - time.time(), 3),
+                }
+                for lease in list(self.leases.values())
+            },
         }

@@ -38,6 +38,8 @@ DAEMON_ROUTES = (
     Route("POST", "/snapshots/pin", "hold a snapshot for a lease"),
     Route("POST", "/snapshots/ID/renew", "extend a pin's lease"),
     Route("DELETE", "/snapshots/ID", "release a pin"),
+    Route("PUT", "/changes/leases/NAME", "keep the change history from a token for a consumer"),
+    Route("DELETE", "/changes/leases/NAME", "end a consumer's lease"),
 )
 
 ROUTER_ROUTES = (

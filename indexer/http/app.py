@@ -16,6 +16,7 @@ from indexer.http.wire import (
     BUILD_ROUTE,
     DEFAULT_LEASE_S,
     INDEX_ACTIONS,
+    LEASE_ROUTE,
     MAX_LEASE_S,
     PIN_ROUTE,
     READ_METHODS,
@@ -67,7 +68,8 @@ class HttpApi(ChangeRoutes):
         query = _query(scope["query_string"])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self._authorize(scope, method, path, headers)
-        if path in ROUTES or PIN_ROUTE.match(path):  # /indexes/NAME... checks its own
+        if path in ROUTES or PIN_ROUTE.match(path) or LEASE_ROUTE.match(path):
+            # /indexes/NAME... checks its own
             _params(query, ROUTE_PARAMS, path)
         if path == "/health":
             _only(method, "GET", "HEAD")
@@ -100,6 +102,12 @@ class HttpApi(ChangeRoutes):
                 raise ApiError(503, "compaction is not available")
             result = await self.view.compactor.compact()
             await _json(send, 200, result.as_dict())
+        elif match := LEASE_ROUTE.match(path):
+            _only(method, "PUT", "DELETE")
+            if method == "PUT":
+                await self.hold_changes(match.group(1), await _body_json(receive), send)
+            else:
+                await self.release_changes(match.group(1), send)
         elif path == "/snapshots":
             _only(method, "GET")
             await _json(send, 200, self.snapshot_list())

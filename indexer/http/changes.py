@@ -20,7 +20,17 @@ from indexer.changes import (
 )
 from indexer.client import NDJSON, NEXT_HEADER, RETRY_AFTER, SNAPSHOT_HEADER
 from indexer.http.scans import ScanRoutes, _arrow_bodies, _column_kinds, _stream
-from indexer.http.wire import ARROW, SCAN_CHUNK, ApiError, Send, _number
+from indexer.http.wire import (
+    ARROW,
+    DEFAULT_CONSUMER_LEASE_S,
+    LEASE_NAME,
+    SCAN_CHUNK,
+    ApiError,
+    Send,
+    _json,
+    _number,
+    _respond,
+)
 from indexer.keys import decode_key
 from indexer.scans import COLUMN_KINDS, Row, column_value, json_encode
 from indexer.snapshots import StabilitySnapshot
@@ -212,6 +222,42 @@ class ChangeRoutes(ScanRoutes):
         answer = ChangeRows(index, history.history_id, _change_rows(rows))
         await self._send_rows(index, answer, kinds, arrow, meta, send)
         return answer.sent
+
+    async def hold_changes(self, name: str, body: dict[str, Any], send: Send) -> None:
+        """PUT /changes/leases/NAME {"token": T, "lease_s": S}: keep the history from T on
+        for consumer NAME for S seconds (again: move it forward, renew it)."""
+        history = self._history()
+        if not LEASE_NAME.match(name):
+            raise ApiError(400, "a consumer's name: 1 to 128 letters, digits, _ . or -")
+        text = body.get("token")
+        if not isinstance(text, str):
+            raise ApiError(400, "token: the token the consumer has read up to, as a string")
+        lease_s = _number(
+            body.get("lease_s", DEFAULT_CONSUMER_LEASE_S),
+            "lease_s",
+            1,
+            366 * DEFAULT_CONSUMER_LEASE_S,
+        )
+        try:
+            token = ChangeToken.decode(text)
+            lease = await trio.to_thread.run_sync(history.hold, name, token, lease_s)
+        except ChangeTokenError as exc:
+            raise ApiError(400, str(exc)) from None
+        except HistoryGoneError as exc:
+            raise ApiError(410, str(exc)) from None
+        answer = {
+            "consumer": name,
+            "token": f"{history.history_id}.{lease.mark}",
+            "lease_s": lease_s,
+        }
+        await _json(send, 200, answer)
+
+    async def release_changes(self, name: str, send: Send) -> None:
+        """DELETE /changes/leases/NAME: the consumer's lease ends."""
+        history = self._history()
+        if not await trio.to_thread.run_sync(history.release, name):
+            raise ApiError(404, f"no lease of consumer {name!r} (released or expired)")
+        await _respond(send, 204, b"", "text/plain")
 
     async def _wait_for_mark(self, history: ChangeHistory, latest: Mark, wait: float) -> Mark:
         """The next mark after `latest`, or `latest` if none comes within `wait` seconds."""

@@ -77,6 +77,11 @@ NO_SPACE = "No space left on device"  # in what a write to a full disk raises
 
 PIN_ROUTE = re.compile(r"^/snapshots/(p\d+)(/renew)?$")
 
+LEASE_ROUTE = re.compile(r"^/changes/leases/([^/]*)$")  # a consumer's hold on the history
+LEASE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+DEFAULT_CONSUMER_LEASE_S = 86400.0  # a consumer's lease on the change history
+
 Scope = dict[str, Any]
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]

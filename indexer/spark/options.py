@@ -21,7 +21,7 @@ SNAPSHOTS = ("persisted", "stable")
 OPTIONS = (
     "url path cluster_map index partitions snapshot consistency at_plus pin lease_s timeout "
     "pushdown columns order token token_file tls tls_ca "
-    "startingoffsets endingoffsets maxentriespertrigger"  # the change feed (spark/stream.py)
+    "startingoffsets endingoffsets maxentriespertrigger consumer"  # the change feed (stream.py)
 )
 COLUMNS = ("typed", "json")
 

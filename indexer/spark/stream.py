@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,7 @@ from indexer.spark.pins import _http
 STARTS = ("snapshot", "latest")
 SNAPSHOT = "snapshot"
 FEED_COLUMNS = ("op", "snapshot")  # beside the id and the keys of a batch read
-STREAM_OPTIONS = ("startingoffsets", "endingoffsets", "maxentriespertrigger")
+CONSUMER_LEASE_S = 86400.0  # a stream's lease on the history, renewed by every commit
 
 
 def reads_changes(options: Mapping[str, str]) -> bool:
@@ -65,6 +66,8 @@ class FeedOptions:
     starting: str = SNAPSHOT
     ending: str | None = None  # batch reads only
     max_entries: int | None = None
+    consumer: str | None = None  # the name of the query's lease on the history, moved by commits
+    lease_s: float = CONSUMER_LEASE_S
     timeout: float = DEFAULT_TIMEOUT_S
     access: Access = field(default_factory=Access)
 
@@ -83,6 +86,8 @@ class FeedOptions:
             starting=_token_option("startingOffsets", starting, STARTS),
             ending=opts.get("endingoffsets"),
             max_entries=whole_option(opts, "maxentriespertrigger", 1, 1 << 62),
+            consumer=opts.get("consumer") or None,
+            lease_s=seconds_option(opts, "lease_s", CONSUMER_LEASE_S),
             timeout=seconds_option(opts, "timeout", DEFAULT_TIMEOUT_S),
             access=parse_access(opts),
         )
@@ -239,8 +244,21 @@ class IndexerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         yield from self.reads.rows(partition.since, partition.until)
 
     def commit(self, end: dict[str, str]) -> None:
-        """Spark has what ends at `end`: nothing to release yet (leases come with retention
-        by consumer)."""
+        """Spark has what ends at `end`: with a `consumer`, its lease moves there, and the
+        history before it may go."""
+        token = end["token"]
+        options = self.options
+        if options.consumer is None or token in STARTS:
+            return
+        answer = _http(
+            "PUT",
+            options.url,
+            "/changes/leases/" + urllib.parse.quote(options.consumer, safe=""),
+            body={"token": token, "lease_s": options.lease_s},
+            timeout=options.timeout,
+            access=options.access,
+        )
+        answer.close()
 
 
 class IndexerFeedReader(DataSourceReader):

@@ -170,10 +170,23 @@ def test_history_past_retention_is_dropped_and_its_tokens_get_410(daemon_factory
         source.write(vb, 50)
     feed(daemon, source)
     _, old = read_changes(daemon, "latest")
+    lease = httpx.put(
+        f"{daemon.url}/changes/leases/reader-1", json={"token": old, "lease_s": 3600}, timeout=60
+    )
+    assert lease.status_code == 200, lease.text
     for _ in range(3):
         for vb in VBUCKETS:
             source.write(vb, 20)
         feed(daemon, source)
+    held, _ = read_changes(daemon, old)  # the lease kept it past the retention
+    assert held
+    assert daemon.stats()["changes"]["leases"]["reader-1"]["token"] == old
+    gone = httpx.delete(f"{daemon.url}/changes/leases/reader-1", timeout=60)
+    assert gone.status_code == 204
+    assert httpx.delete(f"{daemon.url}/changes/leases/reader-1", timeout=60).status_code == 404
+    for vb in VBUCKETS:
+        source.write(vb, 20)
+    feed(daemon, source)
     answer = httpx.get(f"{daemon.url}/indexes/{NAME}/changes", params={"since": old}, timeout=60)
     assert answer.status_code == 410, answer.text
     assert "no longer kept" in answer.json()["error"]

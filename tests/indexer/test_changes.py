@@ -178,3 +178,31 @@ def test_history_of_another_format_is_dropped_with_its_tokens(store: IndexStore)
     with pytest.raises(HistoryGoneError, match="another change history"):
         rows_of(again, store, ChangeToken("0bad", old.number), mark.number)
     assert not ChangeHistory(store, VBUCKETS).stale
+
+
+def test_a_lease_keeps_history_past_retention_until_it_ends_or_expires(
+    store: IndexStore,
+) -> None:
+    w = writer(store)
+    indexes = store.all_indexes()
+    history = ChangeHistory(store, VBUCKETS)
+    first = history.write_mark(ts(0, 0, 0, 0), indexes)
+    for seqno in range(1, 4):
+        w.apply([record(seqno, "a", f"City{seqno}", 30)], [2])
+        history.write_mark(ts(0, 0, seqno, 0), indexes)
+    token = ChangeToken(history.history_id, first.number)
+    history.hold("spark-query", token, lease_s=60)
+    assert history.prune(keep_s=0, keep_marks=1) == 0  # the lease holds it all
+    history.hold("spark-query", ChangeToken(history.history_id, first.number + 2), lease_s=60)
+    assert history.prune(keep_s=0, keep_marks=1) == 2  # moved forward: what is before goes
+    assert next(m.number for m in history.marks()) == first.number + 2
+    # Leases are kept in the store: a restart keeps holding.
+    again = ChangeHistory(store, VBUCKETS)
+    assert again.leases["spark-query"].mark == first.number + 2
+    assert again.prune(keep_s=0, keep_marks=1) == 0
+    later = again.leases["spark-query"].expires_at + 1
+    assert again.prune(keep_s=0, keep_marks=1, now=later) == 1  # expired: it goes
+    assert "spark-query" not in again.leases
+    with pytest.raises(HistoryGoneError, match="no longer kept"):
+        again.hold("late", token, lease_s=60)
+    assert not again.release("late") and not again.release("spark-query")

@@ -98,10 +98,20 @@ def test_a_stream_appended_to_parquet_replays_to_the_index_across_restarts(
         source.write(vb, 80)
     feed(daemon, source)
     out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
-    run_query(spark, daemon, out, checkpoint, startingOffsets="snapshot", maxEntriesPerTrigger="40")
+    run_query(
+        spark,
+        daemon,
+        out,
+        checkpoint,
+        startingOffsets="snapshot",
+        maxEntriesPerTrigger="40",
+        consumer="parquet-copy",
+    )
     entries, batches = replayed(spark, out)
     assert entries == modelled(source)
     first_batches = len(batches)
+    seen = {r[0] for r in spark.read.parquet(str(out)).select("snapshot").distinct().collect()}
+    first_run = max(int(token.split(".")[1]) for token in seen)
     for round_ in range(3):
         for vb in VBUCKETS:
             source.write(vb, 50)  # updates of the same documents, and deletes
@@ -110,11 +120,21 @@ def test_a_stream_appended_to_parquet_replays_to_the_index_across_restarts(
             daemon.kill()
             daemon.start()
         run_query(
-            spark, daemon, out, checkpoint, startingOffsets="snapshot", maxEntriesPerTrigger="40"
+            spark,
+            daemon,
+            out,
+            checkpoint,
+            startingOffsets="snapshot",
+            maxEntriesPerTrigger="40",
+            consumer="parquet-copy",
         )
         entries, batches = replayed(spark, out)
         assert entries == modelled(source), f"round {round_}"
     assert batches == list(range(len(batches))) and len(batches) > first_batches + 3
+    # Spark commits a batch when it plans the next: the lease is at the end of a batch of a
+    # later run, past everything the first run read.
+    lease = daemon.stats()["changes"]["leases"]["parquet-copy"]
+    assert int(lease["token"].split(".")[1]) >= first_run and lease["expires_in_s"] > 80000
 
 
 def test_a_batch_read_between_two_offsets_gives_the_changes(
