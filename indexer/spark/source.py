@@ -5,7 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -64,7 +64,7 @@ from indexer.spark.stream import (
     feed_schema,
     reads_changes,
 )
-from indexer.spark.writer import IndexerWriter, WriterOptions, find_owners
+from indexer.spark.writer import IndexerStreamWriter, IndexerWriter, WriterOptions, find_owners
 
 
 class IndexerPartition(InputPartition):
@@ -139,15 +139,27 @@ class IndexerDataSource(DataSource):
         reader = PushdownIndexerReader if options.pushdown else IndexerReader
         return reader(options, schema, _keys(options), parts)
 
+    def streamWriter(self, schema: StructType, overwrite: bool) -> IndexerStreamWriter:
+        """`df.writeStream.format("indexer")`: each micro-batch as `writer` writes a DataFrame,
+        with its options."""
+        # The query's own option, which Spark passes on to its sink too.
+        given = {k: v for k, v in self.options.items() if k.lower() != "checkpointlocation"}
+        return IndexerStreamWriter(*self._writer_parts(schema, overwrite, given))
+
     def writer(self, schema: StructType, overwrite: bool) -> IndexerWriter:
         """`df.write.format("indexer")`: options router, id, delete, doc, wait, on_error, nulls,
         batch_rows, batch_bytes, timeout, and token, token_file, tls, tls_ca (docs/spark.md)."""
+        return IndexerWriter(*self._writer_parts(schema, overwrite, self.options))
+
+    def _writer_parts(
+        self, schema: StructType, overwrite: bool, given: Mapping[str, str]
+    ) -> tuple[WriterOptions, Any, RowShape]:
         if overwrite:
             raise IndexerSourceError(
                 'the indexer writer adds and replaces documents: use .mode("append") (overwrite '
                 "would mean deleting every document first)"
             )
-        options = WriterOptions.parse(self.options)
+        options = WriterOptions.parse(given)
         try:
             shape = RowShape.of(
                 schema, options.id_column, options.delete_column, options.doc_column,
@@ -155,7 +167,7 @@ class IndexerDataSource(DataSource):
             )  # fmt: skip
         except BadRow as exc:
             raise IndexerSourceError(str(exc)) from None
-        return IndexerWriter(options, find_owners(options), shape)
+        return options, find_owners(options), shape
 
 
 def partitions_for(pin: Pin, most: int) -> int:

@@ -26,6 +26,13 @@ from typing import Any
 
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 
+try:  # record batches to a stream writer: Spark 4.1 and newer
+    from pyspark.sql.datasource import DataSourceStreamArrowWriter
+except ImportError:  # pragma: no cover - depends on the installed Spark
+    from pyspark.sql.datasource import (  # type: ignore[assignment]
+        DataSourceStreamWriter as DataSourceStreamArrowWriter,
+    )
+
 from indexer.client import NDJSON, Access, ClientError, call_json, request
 from indexer.spark.options import (
     IndexerSourceError,
@@ -358,6 +365,27 @@ class IndexerWriter(DataSourceArrowWriter):
             "it again sends them again, which is harmless (the latest version wins)",
             written,
         )
+
+
+class IndexerStreamWriter(DataSourceStreamArrowWriter):
+    """`df.writeStream.format("indexer")`: each micro-batch is written as the batch writer
+    writes a DataFrame. A batch Spark runs again after a failure (its commit was not recorded)
+    sends the same rows again: each becomes the latest version of its document again, or
+    deletes it again, so the indexes end the same (nothing changes twice)."""
+
+    def __init__(self, options: WriterOptions, owners: Owners, shape: RowShape) -> None:
+        self.batches = IndexerWriter(options, owners, shape)
+
+    def write(self, iterator: Iterator[Any]) -> IndexerCommit:
+        return self.batches.write(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        log.info("indexer stream writer: micro-batch %d", batchId)
+        self.batches.commit(messages)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        log.warning("indexer stream writer: micro-batch %d failed", batchId)
+        self.batches.abort(messages)
 
 
 def write_report(path: Path, figures: dict[str, Any]) -> None:
