@@ -188,11 +188,21 @@ class Router:
 
 
 def feed(daemon: Daemon, source: Source) -> Router:
-    router = Router(daemon, source)
-    router.stream()
-    router.wait_persisted()
-    router.close()
-    return router
+    """Stream what the daemon lacks and wait until it is persisted. A connection closed just
+    before may own the vbuckets for a moment more (STREAM_EXISTS): then connect again."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            router = Router(daemon, source)
+        except AssertionError as exc:
+            if "STREAM_EXISTS" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        router.stream()
+        router.wait_persisted()
+        router.close()
+        return router
 
 
 def indexes_equal_model(daemon: Daemon, source: Source) -> None:

@@ -9,30 +9,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from typing import Any
 
 import httpx
 
 from indexer.client import NEXT_HEADER
 from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model
-from tests.e2e.stream_client import FAST_PERSIST, VBUCKETS, Router, Source
-from tests.e2e.stream_client import feed as feed_once
+from tests.e2e.stream_client import FAST_PERSIST, VBUCKETS, Source, feed
 
 NAME = "by_city"
-
-
-def feed(daemon: Daemon, source: Source) -> Router:
-    """Stream what the daemon lacks and wait for it to be persisted; a connection closed just
-    before may still own the vbuckets for a moment (STREAM_EXISTS): then again."""
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            return feed_once(daemon, source)
-        except AssertionError as exc:
-            if "STREAM_EXISTS" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def _entry(row: dict[str, Any]) -> str:

@@ -8,17 +8,22 @@ restart), with the daemon SIGKILLed between two of them.
 
 from __future__ import annotations
 
+import functools
 import json
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
+from pyspark.sql import SparkSession
 
 from indexer.spark import error_message, session
 from tests.e2e.stream_client import VBUCKETS, Source, feed
 from tests.harness import Daemon, model
+from tests.spark.stream_driver import write_batch
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
 
@@ -52,16 +57,9 @@ def run_query(spark: SparkSession, daemon: Daemon, out: Path, checkpoint: Path, 
     for key, value in options.items():
         stream = stream.option(key, value)
 
-    def append(batch: DataFrame, batch_id: int) -> None:
-        # One partition: monotonically_increasing_id keeps the feed's order within a batch.
-        rows = batch.withColumn("batch", F.lit(batch_id)).withColumn(
-            "ordinal", F.monotonically_increasing_id()
-        )
-        rows.write.mode("append").parquet(str(out))
-
     query = (
         stream.load()
-        .writeStream.foreachBatch(append)
+        .writeStream.foreachBatch(functools.partial(write_batch, out))
         .option("checkpointLocation", str(checkpoint))
         .trigger(availableNow=True)
         .start()
@@ -194,3 +192,44 @@ def test_a_stream_without_a_start_and_a_bad_token_fail_with_one_line(
             "startingOffsets", "yesterday"
         ).load().collect()
     assert "startingOffsets" in error_message(bad.value)
+
+
+def test_a_driver_killed_mid_stream_goes_on_from_its_checkpoint(
+    spark: SparkSession, daemon: Daemon, tmp_path: Path
+) -> None:
+    source = Source(23)
+    for vb in VBUCKETS:
+        source.write(vb, 80)
+    feed(daemon, source)
+    out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
+    args = [daemon.url, NAME, str(out), str(checkpoint), "25"]
+    log = tmp_path / "driver.log"
+    with open(log, "wb") as output:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "tests.spark.stream_driver", *args],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 600
+        for _ in range(4):  # updates while it streams, then a SIGKILL mid-stream
+            for vb in VBUCKETS:
+                source.write(vb, 40)
+            feed(daemon, source)
+        while len(list((checkpoint / "commits").glob("[0-9]*"))) < 2:
+            assert driver.poll() is None, f"the driver stopped: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"no progress: {log.read_text()[-2000:]}"
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    for vb in VBUCKETS:
+        source.write(vb, 40)
+    feed(daemon, source)
+    # The same query goes on from the killed driver's checkpoint, here.
+    run_query(spark, daemon, out, checkpoint, startingOffsets="snapshot", maxEntriesPerTrigger="25")
+    entries, batches = replayed(spark, out)
+    assert entries == modelled(source)
+    assert batches == list(range(len(batches)))
