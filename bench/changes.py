@@ -1,0 +1,219 @@
+"""Change-feed benchmark: the feed's read rate against a full Arrow scan of the same index, the
+rate of Spark's readStream over it, the latency from a write to the feed, and what writing the
+history costs the ingest.
+
+    python bench/changes.py [--mutations N] [--keys K] [--seed S] [--rounds R] [--skip-spark]
+                            [--writes W] [--keep]
+
+1. Ingest cost: R rounds, each feeding the same N mutations (`indexer feed --generate`, until
+   persisted) to a fresh daemon with `changes.history = true` and to one with `false`, one after
+   the other (interleaved, so the machine's drift falls on both): documents/s of each, the
+   median of each and their ratio (target: the history costs at most 10%).
+2. Read rate: on the last daemon with history, N mutations more over the same K docids (the
+   same workload generated twice as long: updates and deletes); then, best of 3, the rows/s of GET /indexes/by_city/changes between the tokens
+   before and after them (Arrow, and NDJSON), and of a full Arrow scan of the index (its
+   entries after them). Target: feed >= 0.5x the Arrow scan.
+3. Spark: `spark.readStream.format("indexer")` from the first token to the second, under
+   Trigger.AvailableNow into the noop sink (session start-up excluded): rows/s.
+4. Latency: on a daemon of its own, W documents PUT one at a time through a router's HTTP API
+   (each synced before its 200), each followed by a long poll of the feed (`wait`) until a
+   change of its id shows: p50 and p99 of the time from the PUT's answer to the row (a
+   micro-batch adds its trigger interval).
+
+Everything lives in a temporary directory, removed unless --keep. The last line printed is one
+JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pyarrow as pa
+from common import Daemon, Router, free_port, in_workdir, ratio, say  # bench/common.py
+
+NAME = "by_city"
+NO_HISTORY = "[changes]\nhistory = false\n"
+
+
+def feed(daemon: Daemon, mutations: int, keys: int, seed: int) -> float:
+    """`indexer feed --generate` until persisted; documents/s."""
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "indexer", "feed", "--to", daemon.address, "--generate",
+         str(mutations), "--keys", str(keys), "--seed", str(seed)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the feed failed ({done.returncode}): {done.stderr.strip()}")
+    return mutations / (time.perf_counter() - started)
+
+
+def latest(client: httpx.Client, daemon: Daemon) -> str:
+    answer = client.get(f"{daemon.url}/indexes/{NAME}/changes", params={"since": "latest"})
+    answer.raise_for_status()
+    return str(answer.headers["x-indexer-next"])
+
+
+def read_rate(client: httpx.Client, url: str, params: dict[str, str], arrow: bool) -> float:
+    """Rows/s of one streamed GET (Arrow batches, or NDJSON lines), best of 3."""
+    best = 0.0
+    headers = {"accept": "application/vnd.apache.arrow.stream"} if arrow else {}
+    for _ in range(3):
+        started = time.perf_counter()
+        rows = 0
+        with client.stream("GET", url, params=params, headers=headers) as response:
+            response.raise_for_status()
+            if arrow:
+                body = response.read()
+                for batch in pa.ipc.open_stream(body):
+                    rows += batch.num_rows
+            else:
+                for line in response.iter_lines():
+                    rows += bool(line)
+        best = max(best, rows / (time.perf_counter() - started))
+    return best
+
+
+def spark_rate(daemon: Daemon, since: str, rows: int) -> float | None:
+    from indexer.spark import session
+
+    spark = session("changes-bench", "local[2]")
+    try:
+        started = time.perf_counter()
+        query = (
+            spark.readStream.format("indexer")
+            .option("url", daemon.url)
+            .option("index", NAME)
+            .option("columns", "json")
+            .option("startingOffsets", since)
+            .load()
+            .writeStream.format("noop")
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination()
+        return rows / (time.perf_counter() - started)
+    finally:
+        spark.stop()
+
+
+def latency(daemon: Daemon, workdir: Path, writes: int) -> list[float]:
+    """Seconds from each synced PUT to the first feed row of its id."""
+    port = free_port()
+    router = Router(
+        workdir / "router.log", "--state", str(workdir / "router"), "--to", daemon.address,
+        "--http", f"127.0.0.1:{port}",
+    )  # fmt: skip
+    try:
+        url = router.wait_url()
+        router.wait_log(r"connected; resuming")
+        seen: list[float] = []
+        with httpx.Client(timeout=60) as client:
+            token = latest(client, daemon)
+            for n in range(writes):
+                docid = f"latency-{n}"
+                body = {"address": {"city": f"City{n % 7}"}, "age": n % 90}
+                client.put(f"{url}/docs/{docid}", json=body).raise_for_status()
+                written = time.perf_counter()
+                found = False
+                while not found:
+                    answer = client.get(
+                        f"{daemon.url}/indexes/{NAME}/changes",
+                        params={"since": token, "wait": "10"},
+                    )
+                    answer.raise_for_status()
+                    token = answer.headers["x-indexer-next"]
+                    found = any(
+                        json.loads(line)["id"] == docid for line in answer.text.splitlines()
+                    )
+                seen.append(time.perf_counter() - written)
+        return seen
+    finally:
+        router.kill()
+
+
+def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"history": [], "none": []}
+    daemon = None
+    for r in range(opts.rounds):
+        for kind in ("history", "none"):
+            node = Daemon.in_workdir(
+                workdir / f"{kind}{r}", "" if kind == "history" else NO_HISTORY
+            ).start()
+            rate = feed(node, opts.mutations, opts.keys, opts.seed)
+            rates[kind].append(rate)
+            state = "on " if kind == "history" else "off"
+            say(f"round {r + 1}, history {state}: {rate:,.0f} docs/s")
+            if kind == "history" and r == opts.rounds - 1:
+                daemon = node
+            else:
+                node.stop()
+    on, off = statistics.median(rates["history"]), statistics.median(rates["none"])
+    cost = 1 - on / off
+    say(f"ingest: {on:,.0f} docs/s with the history, {off:,.0f} without: it costs {cost:.1%}")
+    assert daemon is not None
+    summary: dict[str, Any] = {"ingest_with": on, "ingest_without": off, "history_cost": cost}
+    with httpx.Client(timeout=600) as client:
+        before = latest(client, daemon)
+        # The same workload, twice as long: the router skips the first N (persisted already).
+        feed(daemon, 2 * opts.mutations, opts.keys, opts.seed)
+        after = latest(client, daemon)
+        url = f"{daemon.url}/indexes/{NAME}/changes"
+        params = {"since": before, "until": after, "columns": "string,long"}
+        head = client.get(url, params={"since": before, "until": after})
+        rows = sum(1 for line in head.text.splitlines() if line)
+        feed_arrow = read_rate(client, url, params, arrow=True)
+        feed_ndjson = read_rate(client, url, {"since": before, "until": after}, arrow=False)
+        scan_url = f"{daemon.url}/indexes/{NAME}/scan"
+        scan_arrow = read_rate(client, scan_url, {"columns": "string,long"}, arrow=True)
+    say(
+        f"feed: {rows:,} rows; Arrow {feed_arrow:,.0f} rows/s, NDJSON {feed_ndjson:,.0f} rows/s; "
+        f"full Arrow scan {scan_arrow:,.0f} rows/s: feed / scan {ratio(feed_arrow, scan_arrow)}"
+    )
+    summary.update(
+        feed_rows=rows, feed_arrow=feed_arrow, feed_ndjson=feed_ndjson, scan_arrow=scan_arrow,
+        feed_over_scan=ratio(feed_arrow, scan_arrow),
+    )  # fmt: skip
+    if not opts.skip_spark:
+        stream = spark_rate(daemon, before, rows)
+        say(f"readStream (noop sink, AvailableNow): {stream:,.0f} rows/s")
+        summary["read_stream"] = stream
+    daemon.stop()
+    if opts.writes:
+        # A daemon of its own: a router with a source log is another source than `indexer feed`.
+        fresh = Daemon.in_workdir(workdir / "latency").start()
+        try:
+            seen = sorted(latency(fresh, workdir, opts.writes))
+        finally:
+            fresh.stop()
+        p50 = seen[len(seen) // 2] * 1000
+        p99 = seen[min(len(seen) - 1, int(len(seen) * 0.99))] * 1000
+        say(f"write to feed: p50 {p50:.0f} ms, p99 {p99:.0f} ms over {len(seen)} writes")
+        summary.update(latency_p50_ms=p50, latency_p99_ms=p99)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mutations", type=int, default=300_000)
+    parser.add_argument("--keys", type=int, default=100_000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--writes", type=int, default=50)
+    parser.add_argument("--skip-spark", action="store_true")
+    parser.add_argument("--keep", action="store_true")
+    opts = parser.parse_args(argv)
+    return in_workdir("changes-bench-", opts.keep, lambda workdir: run(opts, workdir))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
