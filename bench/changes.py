@@ -10,9 +10,10 @@ history costs the ingest.
    the other (interleaved, so the machine's drift falls on both): documents/s of each, the
    median of each and their ratio (target: the history costs at most 10%).
 2. Read rate: on the last daemon with history, N mutations more over the same K docids (the
-   same workload generated twice as long: updates and deletes); then, best of 3, the rows/s of GET /indexes/by_city/changes between the tokens
-   before and after them (Arrow, and NDJSON), and of a full Arrow scan of the index (its
-   entries after them). Target: feed >= 0.5x the Arrow scan.
+   same workload generated twice as long: updates and deletes); then, best of 3, the rows/s
+   of GET /indexes/by_city/changes between the tokens before and after them (Arrow, and
+   NDJSON), and of a full Arrow scan of the index (its entries after them). Target: feed >=
+   0.5x the Arrow scan.
 3. Spark: `spark.readStream.format("indexer")` from the first token to the second, under
    Trigger.AvailableNow into the noop sink (session start-up excluded): rows/s.
 4. Latency: on a daemon of its own, W documents PUT one at a time through a router's HTTP API
