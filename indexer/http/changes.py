@@ -66,10 +66,17 @@ class ChangeRows:
 
     def _next(self) -> list[tuple[str, list[Any], str, str]]:
         chunk = []
+        # Keys and marks repeat across rows: each is decoded (or named) once per chunk.
+        keys: dict[bytes, list[Any]] = {}
+        marks: dict[int, str] = {}
         for op, key, docid, mark in islice(self.rows, SCAN_CHUNK):
-            values, _ = decode_key(key, self.count, desc=self.desc)
-            text = docid.decode("utf-8", errors="replace")
-            chunk.append((op, values, text, f"{self.history_id}.{mark}"))
+            values = keys.get(key)
+            if values is None:
+                values = keys[key] = decode_key(key, self.count, desc=self.desc)[0]
+            name = marks.get(mark)
+            if name is None:
+                name = marks[mark] = f"{self.history_id}.{mark}"
+            chunk.append((op, values, docid.decode("utf-8", errors="replace"), name))
         self.sent += len(chunk)
         return chunk
 
