@@ -212,14 +212,19 @@ def test_a_driver_killed_mid_stream_goes_on_from_its_checkpoint(
         )
     try:
         deadline = time.monotonic() + 600
-        for _ in range(4):  # updates while it streams, then a SIGKILL mid-stream
+
+        def wait_commits(count: int) -> None:
+            while len(list((checkpoint / "commits").glob("[0-9]*"))) < count:
+                assert driver.poll() is None, f"the driver stopped: {log.read_text()[-2000:]}"
+                assert time.monotonic() < deadline, f"no progress: {log.read_text()[-2000:]}"
+                time.sleep(0.1)
+
+        wait_commits(1)  # the snapshot
+        for _ in range(4):  # updates while it streams, 25 rows a batch, then a SIGKILL
             for vb in VBUCKETS:
                 source.write(vb, 40)
             feed(daemon, source)
-        while len(list((checkpoint / "commits").glob("[0-9]*"))) < 2:
-            assert driver.poll() is None, f"the driver stopped: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"no progress: {log.read_text()[-2000:]}"
-            time.sleep(0.2)
+        wait_commits(3)
         driver.send_signal(signal.SIGKILL)
         driver.wait(30)
     finally:
