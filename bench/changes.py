@@ -143,13 +143,25 @@ def latency(daemon: Daemon, workdir: Path, writes: int) -> list[float]:
 
 
 def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    started: list[Daemon] = []
+    try:
+        return measure(opts, workdir, started)
+    finally:  # a failed step leaves no daemon running
+        for daemon in started:
+            if daemon.running:
+                daemon.kill()
+
+
+def measure(opts: argparse.Namespace, workdir: Path, started: list[Daemon]) -> dict[str, Any]:
     rates: dict[str, list[float]] = {"history": [], "none": []}
     daemon = None
     for r in range(opts.rounds):
         for kind in ("history", "none"):
             node = Daemon.in_workdir(
                 workdir / f"{kind}{r}", "" if kind == "history" else NO_HISTORY
-            ).start()
+            )
+            started.append(node)
+            node.start()
             rate = feed(node, opts.mutations, opts.keys, opts.seed)
             rates[kind].append(rate)
             state = "on " if kind == "history" else "off"
@@ -191,7 +203,9 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     daemon.stop()
     if opts.writes:
         # A daemon of its own: a router with a source log is another source than `indexer feed`.
-        fresh = Daemon.in_workdir(workdir / "latency").start()
+        fresh = Daemon.in_workdir(workdir / "latency")
+        started.append(fresh)
+        fresh.start()
         try:
             seen = sorted(latency(fresh, workdir, opts.writes))
         finally:
