@@ -200,9 +200,18 @@ def start_unwaited(daemon: Daemon) -> None:
 def scans_equal(
     daemon: Daemon, want: dict[str, list[dict[str, Any]]], timeout: float
 ) -> dict[str, int]:
-    """Poll request_plus scans until they equal `want`; the rows still differing per index."""
+    """Poll request_plus scans until they equal `want`; the rows still differing per index.
+
+    Gives up `timeout` seconds after the daemon's persisted snapshot last moved: a catch-up
+    that goes on (a last router streams every version again) is waited for, a stalled one is
+    not."""
     deadline = time.monotonic() + timeout
+    persisted: int | None = -1
     while True:
+        moved = persisted_sum(daemon)
+        if moved is not None and moved != persisted:
+            persisted = moved
+            deadline = time.monotonic() + timeout
         got: dict[str, list[dict[str, Any]]] = {}
         for name in INDEXES:
             answer = httpx.get(
