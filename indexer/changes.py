@@ -153,6 +153,25 @@ class ChangeRow:
     snapshot: int
 
 
+@dataclass(frozen=True)
+class _Span:
+    """The records a read covers: the changes after mark `since` up to mark `until`, from
+    position `first` (vbucket, seqno read up to) to `last` (inclusive; None: to the end)."""
+
+    since: Mark
+    until: int
+    numbers: list[int]  # the marks after since, up to until
+    stamps: Any  # their timestamps (numpy, a row per mark)
+    first: tuple[int, int]
+    last: tuple[int, int] | None
+    stopped: bool  # `last` is where the reader asked to stop (its token ends the read)
+
+    def ended_at(self, vbucket: int, seqno: int) -> _Span:
+        return _Span(
+            self.since, self.until, self.numbers, self.stamps, self.first, (vbucket, seqno), True
+        )
+
+
 class ChangeHistory:
     """The marks and history records of one store (blocking calls: run them in a thread)."""
 
@@ -255,6 +274,19 @@ class ChangeHistory:
     def forget_index(self, index_id: int) -> None:
         """An index dropped, or merged after its build: its history starts at the next mark."""
         self.starts.pop(index_id, None)
+
+    def restart(self, vbuckets: set[int]) -> int:
+        """`vbuckets` left this node and their entries were deleted, without history records:
+        their records go (their seqnos start again from 0) and every index's history starts
+        again at the next mark, so older tokens answer 410 rather than miss those deletes.
+        Returns the records deleted. Durable when it returns."""
+        deleted = sum(
+            self._delete_range(history_key(vb, 0), history_key(vb + 1, 0)) for vb in vbuckets
+        )
+        self.starts.clear()
+        self.store.write([(_META_CHANGES, self._meta())], ())
+        self.store.sync()
+        return deleted
 
     # -- going back ----------------------------------------------------------------------------
 
@@ -395,13 +427,47 @@ class ChangeHistory:
         source: Any,
         limit: int | None = None,
         stop: ChangeToken | None = None,
-    ) -> tuple[list[ChangeRow], ChangeToken]:
-        """The rows of `index` from `token` up to mark `until` (at most `limit`, whole records),
-        read from `source` (a LevelDB snapshot), and the token to read on from.
+    ) -> tuple[Iterator[ChangeRow], ChangeToken]:
+        """The rows of `index` from `token` up to mark `until` (at most `limit`, whole
+        documents' changes), read lazily from `source` (a LevelDB snapshot, open while they are
+        read), and the token to read on from.
 
         `stop`, a token part way through an interval (one a limited read gave), ends the read
         there instead: the interval must be the one `token` starts or is in, so that reads
-        bounded by tokens (Spark's micro-batches) always answer the same rows."""
+        bounded by tokens (Spark's micro-batches) always answer the same rows. A limited read
+        first finds where it ends (counting, no rows kept), so memory never holds the answer."""
+        span = self._span(index, token, until, source, stop)
+        if span is None:
+            return iter(()), ChangeToken(self.history_id, token.since)
+        after = self._end_of(index, span, source, limit)
+        if after.until is not None:
+            span = span.ended_at(after.vbucket, after.seqno)
+        return self._rows(index, span, source), after
+
+    def locate(
+        self,
+        index: StoredIndex,
+        token: ChangeToken,
+        until: int,
+        source: Any,
+        limit: int | None = None,
+        stop: ChangeToken | None = None,
+    ) -> ChangeToken:
+        """Where `read` with the same arguments ends: its token alone, no rows built."""
+        span = self._span(index, token, until, source, stop)
+        if span is None:
+            return ChangeToken(self.history_id, token.since)
+        return self._end_of(index, span, source, limit)
+
+    def _span(
+        self,
+        index: StoredIndex,
+        token: ChangeToken,
+        until: int,
+        source: Any,
+        stop: ChangeToken | None,
+    ) -> _Span | None:
+        """The records a read covers, checked (None: nothing to read)."""
         if stop is not None:
             if stop.until is None:
                 raise ValueError("stop: a token part way through an interval")
@@ -429,62 +495,98 @@ class ChangeHistory:
         between = [m for m in self.marks(source, since.number + 1) if m.number <= until]
         if not between or between[-1].number != until:
             if until == since.number:
-                return [], ChangeToken(self.history_id, since.number)
+                return None
             self._mark_or_gone(until, source)
-        # Mark of each change: the first mark whose timestamp reaches its seqno.
-        stamps = np.array([m.timestamp for m in between], dtype=np.uint64)
-        numbers = [m.number for m in between]
-        end = between[-1].timestamp
-        rows: list[ChangeRow] = []
+        partial = token.until is not None
+        return _Span(
+            since=since,
+            until=until,
+            numbers=[m.number for m in between],
+            stamps=np.array([m.timestamp for m in between], dtype=np.uint64),
+            first=(token.vbucket, token.seqno) if partial else (0, 0),
+            last=(stop.vbucket, stop.seqno) if stop is not None else None,
+            stopped=stop is not None,
+        )
+
+    def _changed(
+        self, index: StoredIndex, span: _Span, source: Any
+    ) -> Iterator[tuple[int, int, bytes, list[bytes], list[bytes]]]:
+        """Per document that changed in `span`, in order: vbucket, seqno, docid, the entry
+        keys it lost and those it gained."""
         index_id = index.index_id
         entry_keys = index.entry_keys
-        first_vb = token.vbucket if token.until is not None else 0
-        last_vb = stop.vbucket if stop is not None else self.num_vbuckets - 1
+        end = span.stamps[-1]
+        first_vb, first_seqno = span.first
+        last_vb, last_seqno = span.last if span.last is not None else (self.num_vbuckets - 1, -1)
         for vb in range(first_vb, last_vb + 1):
-            low = since.timestamp[vb]
-            if token.until is not None and vb == first_vb:
-                low = max(low, token.seqno)
-            high = end[vb]
-            if stop is not None and vb == last_vb:
-                high = min(high, stop.seqno)
+            low = span.since.timestamp[vb]
+            if vb == first_vb:
+                low = max(low, first_seqno)
+            high = int(end[vb])
+            if span.last is not None and vb == last_vb:
+                high = min(high, last_seqno)
             if high <= low:
                 continue
-            column = stamps[:, vb]
             # Records are keyed by their highest seqno: those of the flushes up to end[vb].
             iterator = source.iterator(
-                start=history_key(vb, low + 1), stop=history_key(vb, end[vb] + 1), include_key=False
+                start=history_key(vb, low + 1),
+                stop=history_key(vb, int(end[vb]) + 1),
+                include_key=False,
             )
-            for value in iterator:
-                ids, changes = decode_group(value)
-                if index_id not in ids:
-                    continue  # written before the index was active
-                position = ids.index(index_id)
-                for seqno, docid, old_keys, new_keys in changes:
-                    if seqno <= low:
-                        continue
-                    if seqno > high:
-                        break
-                    old = old_keys[position]
-                    new = new_keys[position]
-                    if old != new:
-                        olds = entry_keys(old)
-                        news = entry_keys(new)
-                        gone = [k for k in olds if k not in news]
-                        came = [k for k in news if k not in olds]
-                        if limit is not None and rows and len(rows) + len(gone) + len(came) > limit:
-                            iterator.close()
-                            before = seqno - 1  # this change is the next page's first
-                            token = ChangeToken(self.history_id, since.number, until, vb, before)
-                            return rows, token
-                        mark = numbers[int(np.searchsorted(column, seqno, side="left"))]
-                        rows.extend(ChangeRow("delete", k, docid, mark) for k in gone)
-                        rows.extend(ChangeRow("insert", k, docid, mark) for k in came)
-                    if limit is not None and len(rows) >= limit:
-                        iterator.close()
-                        return rows, ChangeToken(self.history_id, since.number, until, vb, seqno)
-        if stop is not None:
-            return rows, stop
-        return rows, ChangeToken(self.history_id, until)
+            try:
+                for value in iterator:
+                    ids, changes = decode_group(value)
+                    if index_id not in ids:
+                        continue  # written before the index was active
+                    position = ids.index(index_id)
+                    for seqno, docid, old_keys, new_keys in changes:
+                        if seqno <= low:
+                            continue
+                        if seqno > high:
+                            break
+                        old = old_keys[position]
+                        new = new_keys[position]
+                        if old != new:
+                            olds = entry_keys(old)
+                            news = entry_keys(new)
+                            gone = [k for k in olds if k not in news]
+                            came = [k for k in news if k not in olds]
+                            if gone or came:
+                                yield vb, seqno, docid, gone, came
+            finally:
+                iterator.close()
+
+    def _end_of(
+        self, index: StoredIndex, span: _Span, source: Any, limit: int | None
+    ) -> ChangeToken:
+        """The token after the first `limit` rows of `span` (whole documents' changes), or
+        after all of it."""
+        if limit is not None:
+            count = 0
+            for vb, seqno, _, gone, came in self._changed(index, span, source):
+                size = len(gone) + len(came)
+                if count and count + size > limit:  # this change is the next page's first
+                    return ChangeToken(
+                        self.history_id, span.since.number, span.until, vb, seqno - 1
+                    )
+                count += size
+                if count >= limit:
+                    return ChangeToken(self.history_id, span.since.number, span.until, vb, seqno)
+        if span.stopped:
+            assert span.last is not None
+            return ChangeToken(self.history_id, span.since.number, span.until, *span.last)
+        return ChangeToken(self.history_id, span.until)
+
+    def _rows(self, index: StoredIndex, span: _Span, source: Any) -> Iterator[ChangeRow]:
+        column_of = span.stamps.T  # per vbucket, the seqno each mark reached
+        numbers = span.numbers
+        for vb, seqno, docid, gone, came in self._changed(index, span, source):
+            # The mark of a change: the first whose timestamp reaches its seqno.
+            mark = numbers[int(np.searchsorted(column_of[vb], seqno, side="left"))]
+            for k in gone:
+                yield ChangeRow("delete", k, docid, mark)
+            for k in came:
+                yield ChangeRow("insert", k, docid, mark)
 
     def _mark_or_gone(self, number: int, source: Any) -> Mark:
         mark = self.mark(number, source)

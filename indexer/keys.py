@@ -473,6 +473,15 @@ def entry_tail(docid: bytes) -> bytes:
     return docid + _DOCID_LENGTH.pack(len(docid))
 
 
+def split_tail(entry: bytes) -> tuple[bytes, bytes]:
+    """A main-index entry's encoded key and its docid, found by the tail alone (no decoding)."""
+    (length,) = _DOCID_LENGTH.unpack_from(entry, len(entry) - 2)
+    cut = len(entry) - 2 - length
+    if cut < 0:
+        raise _truncated()
+    return entry[:cut], entry[cut:-2]
+
+
 def split_entry(
     data: bytes, count: int, desc: Sequence[bool] = ()
 ) -> tuple[list[JSONValue], bytes]:

@@ -124,6 +124,8 @@ class SliceWatch:
                     entry_counts, catalog.store, list(catalog.indexes), self.cache
                 )
                 timekeeper.reset_vbuckets(removed, counts)
+                if timekeeper.retention is not None:
+                    await trio.to_thread.run_sync(timekeeper.retention.history.restart, removed)
                 for vb in removed:
                     registry.received[vb] = 0
                     registry.failover_logs.pop(vb, None)

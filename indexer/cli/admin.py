@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from indexer.client import NEXT_HEADER, index_path
+from indexer.client import index_path
 
 if TYPE_CHECKING:
     pass
@@ -32,6 +32,7 @@ from indexer.cli.common import (
     _index_name,
     api_options,
     fail,
+    print_lines,
 )
 
 
@@ -377,22 +378,7 @@ def scan(
     base = api.base
     try:
         while True:
-            with httpx.stream(
-                "GET",
-                base + index_path(name, "scan"),
-                params=params,
-                timeout=timeout + 30,
-                headers=api.headers,
-                verify=api.verify,
-            ) as response:
-                if response.status_code != 200:
-                    response.read()
-                    _http_error(response)
-                out = sys.stdout
-                for line in response.iter_lines():
-                    if line:
-                        out.write(line + "\n")
-                token = response.headers.get(NEXT_HEADER)
+            token = print_lines(api, index_path(name, "scan"), params, timeout + 30)
             if not all_pages or token is None:
                 return
             # The next page: the same range, from the token's snapshot and place.

@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from indexer.cli.common import ApiOptions, _http_error, _index_name, api_options, fail
-from indexer.client import NEXT_HEADER, index_path
+from indexer.cli.common import ApiOptions, _index_name, api_options, fail, print_lines
+from indexer.client import index_path
 
 FOLLOW_WAIT_S = 30.0  # how long one request of --follow waits for a new persisted snapshot
 
@@ -48,7 +48,6 @@ def changes(name: str, daemon: ApiOptions, since: str, limit: int | None, follow
 
     _index_name(name)
     api = daemon.connect()
-    url = api.base + index_path(name, "changes")
     token = since
     try:
         while True:
@@ -57,22 +56,7 @@ def changes(name: str, daemon: ApiOptions, since: str, limit: int | None, follow
                 params["limit"] = limit
             if follow and token not in ("snapshot", "0", "latest"):
                 params["wait"] = int(FOLLOW_WAIT_S)
-            with httpx.stream(
-                "GET",
-                url,
-                params=params,
-                timeout=FOLLOW_WAIT_S + 60,
-                headers=api.headers,
-                verify=api.verify,
-            ) as response:
-                if response.status_code != 200:
-                    response.read()
-                    _http_error(response)
-                for line in response.iter_lines():
-                    if line:
-                        sys.stdout.write(line + "\n")
-                sys.stdout.flush()
-                after = response.headers.get(NEXT_HEADER)
+            after = print_lines(api, index_path(name, "changes"), params, FOLLOW_WAIT_S + 60)
             if after is None:
                 fail("the daemon gave no token to read on from")
             print(f"next: {after}", file=sys.stderr, flush=True)

@@ -221,6 +221,34 @@ def _http_error(response: Any) -> NoReturn:
     fail(f"HTTP {response.status_code}: {error_text(response.content)}")
 
 
+def print_lines(api: Api, path: str, params: dict[str, Any], timeout: float) -> str | None:
+    """GET `path` and copy its NDJSON lines to stdout as they come; the answer's
+    X-Indexer-Next (None without one). An answer other than 200 ends the command with its
+    one-line error; a daemon that cannot be reached raises httpx.HTTPError."""
+    import httpx
+
+    from indexer.client import NEXT_HEADER
+
+    with httpx.stream(
+        "GET",
+        api.base + path,
+        params=params,
+        timeout=timeout,
+        headers=api.headers,
+        verify=api.verify,
+    ) as response:
+        if response.status_code != 200:
+            response.read()
+            _http_error(response)
+        out = sys.stdout
+        for line in response.iter_lines():
+            if line:
+                out.write(line + "\n")
+        out.flush()
+        next_token: str | None = response.headers.get(NEXT_HEADER)
+        return next_token
+
+
 def _call(
     api: Api,
     method: str,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -31,7 +31,7 @@ from indexer.http.wire import (
     _number,
     _respond,
 )
-from indexer.keys import decode_key
+from indexer.keys import decode_key, split_tail
 from indexer.scans import COLUMN_KINDS, Row, column_value, json_encode
 from indexer.snapshots import StabilitySnapshot
 from indexer.storage import IndexStore, StoredIndex
@@ -110,8 +110,8 @@ def _snapshot_rows(
     """Every entry of the index at a snapshot, as inserts (the start of "snapshot, then
     changes")."""
     for entry in store.main_entries(index, snap.store_snapshot):
-        length = int.from_bytes(entry[-2:], "big")  # keys.entry_tail: docid, its length
-        yield "insert", entry[: -2 - length], entry[-2 - length : -2], mark
+        key, docid = split_tail(entry)
+        yield "insert", key, docid, mark
 
 
 def _rows_at(
@@ -142,9 +142,25 @@ def _rows_at(
             yield "insert", key, docid, mark
 
 
-def _change_rows(rows: list[ChangeRow]) -> Iterator[tuple[str, bytes, bytes, int]]:
+def _token_only(query: dict[str, str]) -> bool:
+    """`only=token`: answer the token a read would end at (X-Indexer-Next), without its rows
+    (how a reader finds where a limited micro-batch ends without reading it)."""
+    only = query.get("only")
+    if only not in (None, "token"):
+        raise ApiError(400, f"only: token (the answer's X-Indexer-Next alone), not {only!r}")
+    return only == "token"
+
+
+def _change_rows(rows: Iterator[ChangeRow]) -> Iterator[tuple[str, bytes, bytes, int]]:
     for row in rows:
         yield row.op, row.key, row.docid, row.snapshot
+
+
+def _all_rows(
+    history: ChangeHistory, index: StoredIndex, token: ChangeToken, until: int, source: Any
+) -> list[ChangeRow]:
+    rows, _ = history.read(index, token, until, source)
+    return list(rows)
 
 
 class ChangeRoutes(ScanRoutes):
@@ -183,7 +199,14 @@ class ChangeRoutes(ScanRoutes):
         arrow = ARROW in headers.get("accept", "")
         if not arrow and "columns" in query:
             raise ApiError(400, "columns: for Arrow answers (Accept: " + ARROW + ")")
+        token_only = _token_only(query)
         if since in CHANGE_STARTS:
+            if token_only:
+                raise ApiError(
+                    400,
+                    "only=token: with a token in since (since=latest answers "
+                    "the latest snapshot's token)",
+                )
             at = None
             if "until" in query:
                 if since == "latest":
@@ -214,20 +237,33 @@ class ChangeRoutes(ScanRoutes):
             if "until" not in query:
                 until = latest.number
         source = self.view.store.snapshot()
+        rows: Iterator[ChangeRow] = iter(())
         try:
-            rows, after = await trio.to_thread.run_sync(
-                history.read, index, token, until, source, limit, stop
-            )
-        except HistoryGoneError as exc:
-            raise ApiError(410, str(exc)) from None
-        except ChangeTokenError as exc:
-            raise ApiError(400, str(exc)) from None
+            try:
+                if token_only:
+                    after = await trio.to_thread.run_sync(
+                        history.locate, index, token, until, source, limit, stop
+                    )
+                else:
+                    rows, after = await trio.to_thread.run_sync(
+                        history.read, index, token, until, source, limit, stop
+                    )
+            except HistoryGoneError as exc:
+                raise ApiError(410, str(exc)) from None
+            except ChangeTokenError as exc:
+                raise ApiError(400, str(exc)) from None
+            end_mark = stop.until if stop is not None else until
+            meta = {
+                NEXT_HEADER: after.encode(),
+                SNAPSHOT_HEADER: f"{history.history_id}.{end_mark}",
+            }
+            # The rows are read from `source` as they are sent, a chunk at a time.
+            answer = ChangeRows(index, history.history_id, _change_rows(rows))
+            await self._send_rows(index, answer, kinds, arrow, meta, send)
         finally:
+            if isinstance(rows, Generator):
+                rows.close()  # its LevelDB iterator, before the snapshot it reads
             source.close()
-        end_mark = stop.until if stop is not None else until
-        meta = {NEXT_HEADER: after.encode(), SNAPSHOT_HEADER: f"{history.history_id}.{end_mark}"}
-        answer = ChangeRows(index, history.history_id, _change_rows(rows))
-        await self._send_rows(index, answer, kinds, arrow, meta, send)
         return answer.sent
 
     async def hold_changes(self, name: str, body: dict[str, Any], send: Send) -> None:
@@ -321,8 +357,9 @@ class ChangeRoutes(ScanRoutes):
                 # snapshot holds them, and the same records up to the latest mark.
                 source = self.view.store.snapshot()
                 try:
-                    back, _ = await trio.to_thread.run_sync(
-                        history.read,
+                    back = await trio.to_thread.run_sync(
+                        _all_rows,
+                        history,
                         index,
                         ChangeToken(history.history_id, mark),
                         latest.number,

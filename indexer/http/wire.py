@@ -55,7 +55,7 @@ ACTION_PARAMS = {
     "types": SNAPSHOT_PARAMS,
     "docs": SNAPSHOT_PARAMS,
     "aggregate": (*COUNT_PARAMS, "group_by", "aggregates"),
-    "changes": ("since", "until", "limit", "columns", "wait"),
+    "changes": ("since", "until", "limit", "columns", "wait", "only"),
 }
 
 ROUTE_PARAMS: tuple[str, ...] = ()

@@ -184,6 +184,27 @@ def convert(kind: str, value: Any) -> Any:
     return value if -(1 << (bits - 1)) <= value < (1 << (bits - 1)) else None
 
 
+def from_server(batch: Any, columns: Sequence[Column]) -> list[Any]:
+    """The arrays of a server batch (the id, a column per key path of the kind asked for:
+    `server_kinds`) as the read schema's `columns` want them."""
+    arrays = []
+    for column in columns:
+        if column.kind == "id":
+            array = batch.column("id")
+        else:
+            array = batch.column(column.path)
+            if column.kind not in SERVER_KINDS:  # sent as JSON text, converted here
+                values = [
+                    None if t is None else convert(column.kind, json.loads(t))
+                    for t in array.to_pylist()
+                ]
+                array = pa.array(values, type=column.arrow)
+        if array.type != column.arrow:
+            array = array.cast(column.arrow)
+        arrays.append(array)
+    return arrays
+
+
 _OPS: dict[type[Filter], str] = {
     EqualTo: "eq",
     GreaterThan: "gt",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import http.client
-import json
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import islice
@@ -17,13 +16,13 @@ from indexer.client import ARROW_STREAM, index_path
 from indexer.keys import encode_key, entry_tail
 from indexer.scans import KeyRange, Row, column_kind, iterate, json_text, splits
 from indexer.spark.columns import (
-    SERVER_KINDS,
     accepts,
     apply_filters,
     convert,
     default_schema,
     filter_range,
     fits,
+    from_server,
     intersect,
     plan_columns,
     server_kinds,
@@ -436,23 +435,7 @@ class IndexerReader(DataSourceReader):
                 ) from None
 
     def _from_server(self, batch: Any) -> Any:
-        """A server batch (the id, a column per key path of the kind asked for: `server_kinds`)
-        as the read schema wants it."""
-        arrays = []
-        for column in self.columns:
-            if column.kind == "id":
-                array = batch.column("id")
-            else:
-                array = batch.column(column.path)
-                if column.kind not in SERVER_KINDS:  # sent as JSON text, converted here
-                    values = [
-                        None if t is None else convert(column.kind, json.loads(t))
-                        for t in array.to_pylist()
-                    ]
-                    array = pa.array(values, type=column.arrow)
-            if array.type != column.arrow:
-                array = array.cast(column.arrow)
-            arrays.append(array)
+        arrays = from_server(batch, self.columns)
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
 
     # -- offline

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - depends on the installed Spark
 from pyspark.sql.types import StringType, StructField, StructType
 
 from indexer.client import ARROW_STREAM, NEXT_HEADER, Access, index_path
-from indexer.spark.columns import SERVER_KINDS, Column, convert, plan_columns, server_kinds
+from indexer.spark.columns import Column, from_server, plan_columns, server_kinds
 from indexer.spark.options import (
     DEFAULT_TIMEOUT_S,
     IndexerSourceError,
@@ -171,22 +171,7 @@ class FeedReads:
                 ) from None
 
     def _converted(self, batch: Any) -> Any:
-        arrays = [batch.column("op")]
-        for column in self.columns:
-            if column.kind == "id":
-                array = batch.column("id")
-            else:
-                array = batch.column(column.path)
-                if column.kind not in SERVER_KINDS:
-                    values = [
-                        None if t is None else convert(column.kind, json.loads(t))
-                        for t in array.to_pylist()
-                    ]
-                    array = pa.array(values, type=column.arrow)
-            if array.type != column.arrow:
-                array = array.cast(column.arrow)
-            arrays.append(array)
-        arrays.append(batch.column("snapshot"))
+        arrays = [batch.column("op"), *from_server(batch, self.columns), batch.column("snapshot")]
         return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
 
 
@@ -225,12 +210,11 @@ class IndexerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return start
         if since == SNAPSHOT or not isinstance(limit, ReadMaxRows):
             return {"token": latest}
-        # Where a read of at most max_rows rows from `since` ends (its rows are not kept).
-        token, response = self.reads.ask(
-            {"since": since, "limit": max(1, limit.max_rows), "until": latest}
-            if since.count(".") == 1
-            else {"since": since, "limit": max(1, limit.max_rows)}
-        )
+        # Where a read of at most max_rows rows from `since` ends (the daemon counts, sends none).
+        params = {"since": since, "limit": max(1, limit.max_rows), "only": "token"}
+        if since.count(".") == 1:
+            params["until"] = latest
+        token, response = self.reads.ask(params)
         response.close()
         return {"token": token}
 

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from indexer.client import NEXT_HEADER
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model, wait_equal, write_jsonl
@@ -122,6 +123,9 @@ def test_moving_vbuckets_between_nodes_loses_nothing(
     )
     wait_equal(a, owned_by(documents, 0, 511))
     wait_equal(b, owned_by(documents, 512, 1023))
+    name = next(iter(INDEXES))
+    before = httpx.get(f"{a.url}/indexes/{name}/changes", params={"since": "latest"})
+    assert before.status_code == 200, before.text
     # Rebalance: vbuckets 256-511 move from a to b while documents keep coming.
     write_map(tmp_path / "cluster.toml", {"a": (a, "0-255"), "b": (b, "256-1023")})
     more = list(generate(Workload(4_000, 3_000, 0.1, 412)))
@@ -136,6 +140,11 @@ def test_moving_vbuckets_between_nodes_loses_nothing(
             documents, paths
         )
     assert "cluster map: now 256 vbuckets here (+0, -256" in a.log()
+    # a deleted the entries of the vbuckets it gave away without history: its feed from
+    # before the move would miss those deletes, so it answers 410.
+    token = before.headers[NEXT_HEADER]
+    gone = httpx.get(f"{a.url}/indexes/{name}/changes", params={"since": token})
+    assert gone.status_code == 410 and "starts at snapshot" in gone.text, gone.text
     assert "cluster map: now 768 vbuckets here (+256, -0" in b.log()
     # After a restart, a keeps only its new slice (what it deleted stays deleted).
     assert a.stop() == 0

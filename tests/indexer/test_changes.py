@@ -37,7 +37,11 @@ def writer(store: IndexStore) -> IndexWriter:
 def rows_of(history: ChangeHistory, store: IndexStore, token: ChangeToken, until: int, **kw):  # type: ignore[no-untyped-def]
     source = store.snapshot()
     try:
-        return history.read(store.index("by_city"), token, until, source, **kw)
+        rows, after = history.read(store.index("by_city"), token, until, source, **kw)
+        rows = list(rows)
+        # Where a read ends is found alike without its rows.
+        assert history.locate(store.index("by_city"), token, until, source, **kw) == after
+        return rows, after
     finally:
         source.close()
 
@@ -206,3 +210,27 @@ def test_a_lease_keeps_history_past_retention_until_it_ends_or_expires(
     with pytest.raises(HistoryGoneError, match="no longer kept"):
         again.hold("late", token, lease_s=60)
     assert not again.release("late") and not again.release("spark-query")
+
+
+def test_vbuckets_leaving_restart_every_history_and_drop_their_records(store: IndexStore) -> None:
+    w = writer(store)
+    indexes = store.all_indexes()
+    history = ChangeHistory(store, VBUCKETS)
+    first = history.write_mark(ts(0, 0, 0, 0), indexes)
+    w.apply([record(1, "a", "Oslo", 30)], [1])
+    w.apply([record(1, "c", "Lima", 50)], [2])
+    history.write_mark(ts(0, 1, 1, 0), indexes)
+    # Vbucket 1 leaves: its entries go without records, its seqnos start again from 0.
+    assert history.restart({1}) == 1
+    assert not list(store.db.iterator(start=b"h\x00\x01", stop=b"h\x00\x02"))
+    with pytest.raises(HistoryGoneError, match="no change history yet"):
+        rows_of(history, store, ChangeToken(history.history_id, first.number), 2)
+    third = history.write_mark(ts(0, 0, 1, 0), indexes)
+    w.apply([record(1, "d", "Kyiv", 20)], [1])  # vbucket 1 back, from seqno 1 again
+    fourth = history.write_mark(ts(0, 1, 1, 0), indexes)
+    rows, _ = rows_of(history, store, ChangeToken(history.history_id, third.number), 4)
+    assert [(r.op, r.key, r.docid, r.snapshot) for r in rows] == [
+        ("insert", encode_key(["Kyiv"]), b"d", fourth.number)
+    ]
+    with pytest.raises(HistoryGoneError, match="starts at snapshot"):
+        rows_of(history, store, ChangeToken(history.history_id, first.number), 4)

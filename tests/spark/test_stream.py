@@ -96,7 +96,8 @@ def test_a_stream_appended_to_parquet_replays_to_the_index_across_restarts(
         source.write(vb, 80)
     feed(daemon, source)
     out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
-    run_query(
+    copy = functools.partial(
+        run_query,
         spark,
         daemon,
         out,
@@ -105,6 +106,7 @@ def test_a_stream_appended_to_parquet_replays_to_the_index_across_restarts(
         maxEntriesPerTrigger="100",
         consumer="parquet-copy",
     )
+    copy()
     entries, batches = replayed(spark, out)
     assert entries == modelled(source)
     first_batches = len(batches)
@@ -117,15 +119,7 @@ def test_a_stream_appended_to_parquet_replays_to_the_index_across_restarts(
         if round_ == 0:  # the daemon dies; the query's tokens outlive it
             daemon.kill()
             daemon.start()
-        run_query(
-            spark,
-            daemon,
-            out,
-            checkpoint,
-            startingOffsets="snapshot",
-            maxEntriesPerTrigger="100",
-            consumer="parquet-copy",
-        )
+        copy()  # from the checkpoint
         entries, batches = replayed(spark, out)
         assert entries == modelled(source), f"round {round_}"
     assert batches == list(range(len(batches))) and len(batches) > first_batches + 2
