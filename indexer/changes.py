@@ -111,6 +111,26 @@ class ChangeToken:
         raise ChangeTokenError(f"{text!r} is not a token the change feed gave")
 
 
+def encode_cluster_token(parts: dict[str, str]) -> str:
+    """The position of a reader of a cluster's feed: each node's token, by node name
+    (`a:3f9a01c2.41,b:77aa0011.40`). Each node keeps its own history and marks."""
+    return ",".join(f"{node}:{token}" for node, token in parts.items())
+
+
+def decode_cluster_token(text: str) -> dict[str, str]:
+    """Node name -> that node's token; ChangeTokenError if `text` is not such a vector."""
+    parts: dict[str, str] = {}
+    for item in text.strip().split(","):
+        node, sep, token = item.partition(":")
+        if not sep or not node or node in parts:
+            raise ChangeTokenError(
+                f"{text!r} is not a cluster's token (NODE:TOKEN for each node, comma-separated)"
+            )
+        ChangeToken.decode(token)
+        parts[node] = token
+    return parts
+
+
 @dataclass(frozen=True)
 class Mark:
     """A persisted snapshot as the feed knows it."""

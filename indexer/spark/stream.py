@@ -5,6 +5,10 @@ The offsets are the feed's tokens (`{"token": "3f9a01c2.41"}`); the first offset
 starting from `snapshot` is `{"token": "snapshot"}`, and its first micro-batch holds every entry
 at the snapshot that ends it, as inserts. A micro-batch from one token to another always answers
 the same rows (docs/protocol.md §8.3), so a batch Spark runs again after a failure is the same.
+
+With `cluster_map`, each node keeps its own history: an offset is the vector of the nodes'
+tokens (`{"token": "a:3f9a01c2.41,b:77aa0011.40"}`), and a micro-batch reads each node's
+changes in a partition of its own. A node's changes are those of the vbuckets it owns.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ except ImportError:  # pragma: no cover - depends on the installed Spark
 
 from pyspark.sql.types import StringType, StructField, StructType
 
+from indexer.changes import (
+    ChangeToken,
+    ChangeTokenError,
+    decode_cluster_token,
+    encode_cluster_token,
+)
 from indexer.client import ARROW_STREAM, NEXT_HEADER, Access, index_path
 from indexer.spark.columns import Column, from_server, plan_columns, server_kinds
 from indexer.spark.options import (
@@ -38,7 +48,7 @@ from indexer.spark.options import (
     seconds_option,
     whole_option,
 )
-from indexer.spark.pins import _http
+from indexer.spark.pins import Target, _http, cluster_targets, load_cluster
 
 STARTS = ("snapshot", "latest")
 SNAPSHOT = "snapshot"
@@ -61,8 +71,9 @@ def feed_schema(batch: StructType) -> StructType:
 class FeedOptions:
     """The options of a change-feed read, checked once on the driver."""
 
-    url: str
+    url: str | None
     index: str
+    cluster_map: str | None = None  # every node's feed: tokens are vectors of node tokens
     starting: str = SNAPSHOT
     ending: str | None = None  # batch reads only
     max_entries: int | None = None
@@ -74,15 +85,18 @@ class FeedOptions:
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> FeedOptions:
         opts = {k.lower(): v for k, v in options.items()}
-        if not opts.get("url"):
+        url, cluster_map = opts.get("url") or None, opts.get("cluster_map") or None
+        if (url is None) == (cluster_map is None):
             raise IndexerSourceError(
-                'the change feed is read from a running daemon: give .option("url", '
-                '"http://HOST:PORT") (cluster maps and offline reads give snapshots only)'
+                'the change feed is read from running daemons: give .option("url", '
+                '"http://HOST:PORT") or .option("cluster_map", MAP_FILE), one of them '
+                "(offline reads give snapshots only)"
             )
         starting = opts.get("startingoffsets", SNAPSHOT).strip()
         return cls(
-            url=opts["url"].rstrip("/"),
+            url=None if url is None else url.rstrip("/"),
             index=opts.get("index", ""),
+            cluster_map=cluster_map,
             starting=_token_option("startingOffsets", starting, STARTS),
             ending=opts.get("endingoffsets"),
             max_entries=whole_option(opts, "maxentriespertrigger", 1, 1 << 62),
@@ -92,38 +106,100 @@ class FeedOptions:
             access=parse_access(opts),
         )
 
+    def targets(self) -> list[Target]:
+        """The daemons whose feeds are read: the url's, or every node of the cluster map."""
+        if self.cluster_map is not None:
+            return cluster_targets(load_cluster(self.cluster_map), access=self.access)
+        assert self.url is not None
+        return [Target(self.url, access=self.access)]
+
 
 def _token_option(name: str, value: str, words: Sequence[str]) -> str:
-    if value in words or value.count(".") in (1, 4):
+    if value not in words:
+        try:
+            found = json.loads(value)
+        except ValueError:
+            found = None
+        if isinstance(found, dict) and isinstance(found.get("token"), str):
+            value = str(found["token"])
+    if value in words:
         return value
     try:
-        found = json.loads(value)
-    except ValueError:
-        found = None
-    if isinstance(found, dict) and isinstance(found.get("token"), str):
-        return str(found["token"])
+        if ":" in value:
+            decode_cluster_token(value)
+        else:
+            ChangeToken.decode(value)
+        return value
+    except ChangeTokenError:
+        pass
     raise IndexerSourceError(
         f"{name}: {' or '.join(words)}, or a token the change feed gave; not {value!r}"
     )
 
 
-class FeedPartition(InputPartition):
-    """The changes from one token to the next (one partition: the feed is read in order)."""
+class Position:
+    """Where a read of the feed is: a start word, one daemon's token, or a cluster's vector
+    of node tokens (a node the vector does not name starts from its snapshot)."""
 
-    def __init__(self, since: str, until: str) -> None:
-        super().__init__(0)
+    def __init__(self, targets: Sequence[Target]) -> None:
+        self.targets = list(targets)
+        self.clustered = any(t.node is not None for t in self.targets)
+
+    def parts(self, token: str) -> list[str]:
+        """The token of each target in `token`, in the targets' order."""
+        if token in STARTS:
+            return [token] * len(self.targets)
+        if not self.clustered:
+            if ":" in token:
+                raise IndexerSourceError(
+                    f"{token!r} is a cluster's token: read it with cluster_map"
+                )
+            return [token]
+        if ":" not in token:
+            raise IndexerSourceError(
+                f"{token!r} is one daemon's token: a cluster map's read takes a cluster's "
+                "(NODE:TOKEN,...), or snapshot"
+            )
+        found = decode_cluster_token(token)
+        unknown = set(found) - {t.node for t in self.targets}
+        if unknown:
+            raise IndexerSourceError(
+                "the token names nodes the cluster map does not have "
+                f"({', '.join(sorted(unknown))}): the map changed, start again from a snapshot"
+            )
+        return [found.get(str(t.node), SNAPSHOT) for t in self.targets]
+
+    def token(self, parts: Sequence[str]) -> str:
+        """The token of the targets' `parts`."""
+        if not self.clustered:
+            return parts[0]
+        if all(p == SNAPSHOT for p in parts):
+            return SNAPSHOT
+        return encode_cluster_token(
+            {str(t.node): p for t, p in zip(self.targets, parts, strict=True)}
+        )
+
+
+class FeedPartition(InputPartition):
+    """The changes of one daemon from one token to the next (a partition per node: each
+    node's feed is read in order)."""
+
+    def __init__(self, target: Target, since: str, until: str, number: int = 0) -> None:
+        super().__init__(number)
+        self.target = target
         self.since = since
         self.until = until
 
 
 class FeedReads:
-    """What the batch and the stream reader share: asking the daemon, converting its rows."""
+    """What the batch and the stream reader share: asking the daemons, converting their rows."""
 
     def __init__(self, options: FeedOptions, schema: StructType, keys: list[str]) -> None:
         from pyspark.sql.pandas.types import to_arrow_schema
 
         self.options = options
         self.keys = keys
+        self.position = Position(options.targets())
         names = [f.name for f in schema.fields]
         if names[:1] != ["op"] or names[-1:] != ["snapshot"]:
             raise IndexerSourceError(
@@ -134,32 +210,54 @@ class FeedReads:
         self.columns: list[Column] = plan_columns(inner, keys)
         self.arrow_schema = to_arrow_schema(schema, timezone="UTC")
 
-    def ask(self, params: dict[str, Any]) -> tuple[str, Any]:
-        """The token after a read of the feed, and the open response (Arrow)."""
+    def ask(self, target: Target, params: dict[str, Any]) -> tuple[str, Any]:
+        """The token after a read of a daemon's feed, and the open response (Arrow)."""
         options = self.options
         params = {**params, "columns": ",".join(server_kinds(self.columns, len(self.keys)))}
-        response = _http(
-            "GET",
-            options.url,
-            index_path(options.index, "changes"),
-            params=params,
-            accept=ARROW_STREAM,
-            timeout=options.timeout,
-            access=options.access,
-        )
+        try:
+            response = _http(
+                "GET",
+                target.url,
+                index_path(options.index, "changes"),
+                params=params,
+                accept=ARROW_STREAM,
+                timeout=options.timeout,
+                access=target.access,
+            )
+        except IndexerSourceError as exc:
+            raise IndexerSourceError(target.say(str(exc))) from None
         return str(response.headers[NEXT_HEADER]), response
 
-    def latest(self) -> str:
-        token, response = self.ask({"since": "latest"})
+    def token_after(self, target: Target, params: dict[str, Any]) -> str:
+        """Where a read of a daemon's feed ends, without its rows."""
+        token, response = self.ask(target, {**params, "only": "token"})
         response.close()
         return token
 
-    def rows(self, since: str, until: str) -> Iterator[Any]:
-        """Arrow record batches of the changes from `since` to `until` (a snapshot's rows when
-        `since` is "snapshot")."""
-        if since == until:
-            return
-        _, response = self.ask({"since": since, "until": until})
+    def latest(self) -> str:
+        parts = []
+        for target in self.position.targets:
+            token, response = self.ask(target, {"since": "latest"})
+            response.close()
+            parts.append(token)
+        return self.position.token(parts)
+
+    def partitions(self, since: str, until: str) -> list[FeedPartition]:
+        """A partition per daemon whose position moves from `since` to `until`."""
+        pairs = zip(self.position.parts(since), self.position.parts(until), strict=True)
+        return [
+            FeedPartition(target, a, b, number)
+            for number, (target, (a, b)) in enumerate(
+                zip(self.position.targets, pairs, strict=True)
+            )
+            if a != b
+        ]
+
+    def rows(self, partition: FeedPartition) -> Iterator[Any]:
+        """Arrow record batches of a daemon's changes from `since` to `until` (a snapshot's
+        rows when `since` is "snapshot")."""
+        target = partition.target
+        _, response = self.ask(target, {"since": partition.since, "until": partition.until})
         with response:
             try:
                 for batch in pa.ipc.open_stream(response):
@@ -167,7 +265,7 @@ class FeedReads:
                         yield self._converted(batch)
             except (pa.ArrowInvalid, OSError, http.client.HTTPException) as exc:
                 raise IndexerSourceError(
-                    f"indexer at {self.options.url}: the change feed broke off: {exc}"
+                    target.say(f"indexer at {target.url}: the change feed broke off: {exc}")
                 ) from None
 
     def _converted(self, batch: Any) -> Any:
@@ -177,7 +275,8 @@ class FeedReads:
 
 class IndexerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """`spark.readStream.format("indexer")`: micro-batches between tokens of the change feed,
-    at most `maxEntriesPerTrigger` rows each (whole documents' changes)."""
+    at most `maxEntriesPerTrigger` rows each (whole documents' changes; on a cluster map, the
+    limit is shared evenly by the nodes, and each node's changes are a partition)."""
 
     def __init__(self, options: FeedOptions, schema: StructType, keys: list[str]) -> None:
         self.reads = FeedReads(options, schema, keys)
@@ -185,7 +284,7 @@ class IndexerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.target: str | None = None  # Trigger.AvailableNow: the latest token at its start
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """Read up to the snapshot persisted now, in micro-batches of the read limit."""
+        """Read up to the snapshots persisted now, in micro-batches of the read limit."""
         self.target = self.reads.latest()
 
     def initialOffset(self) -> dict[str, str]:
@@ -208,41 +307,50 @@ class IndexerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         since = start["token"]
         if since == latest:
             return start
-        if since == SNAPSHOT or not isinstance(limit, ReadMaxRows):
+        position = self.reads.position
+        if not isinstance(limit, ReadMaxRows):
             return {"token": latest}
-        # Where a read of at most max_rows rows from `since` ends (the daemon counts, sends none).
-        params = {"since": since, "limit": max(1, limit.max_rows), "only": "token"}
-        if since.count(".") == 1:
-            params["until"] = latest
-        token, response = self.reads.ask(params)
-        response.close()
-        return {"token": token}
+        share = max(1, limit.max_rows // len(position.targets))
+        parts = []
+        for target, a, b in zip(
+            position.targets, position.parts(since), position.parts(latest), strict=True
+        ):
+            if a in (b, SNAPSHOT):
+                parts.append(b)  # nothing new, or a snapshot start: read whole
+                continue
+            # Where a read of at most `share` rows from `a` ends (the daemon counts, sends none).
+            params: dict[str, Any] = {"since": a, "limit": share}
+            if a.count(".") == 1:
+                params["until"] = b
+            parts.append(self.reads.token_after(target, params))
+        return {"token": position.token(parts)}
 
     def partitions(self, start: dict[str, str], end: dict[str, str]) -> Sequence[InputPartition]:
-        if start["token"] == end["token"]:
-            return []
-        return [FeedPartition(start["token"], end["token"])]
+        return self.reads.partitions(start["token"], end["token"])
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, FeedPartition)
-        yield from self.reads.rows(partition.since, partition.until)
+        yield from self.reads.rows(partition)
 
     def commit(self, end: dict[str, str]) -> None:
-        """Spark has what ends at `end`: with a `consumer`, its lease moves there, and the
-        history before it may go."""
-        token = end["token"]
+        """Spark has what ends at `end`: with a `consumer`, its lease on each daemon moves
+        there, and the history before it may go."""
         options = self.options
-        if options.consumer is None or token in STARTS:
+        if options.consumer is None:
             return
-        answer = _http(
-            "PUT",
-            options.url,
-            "/changes/leases/" + urllib.parse.quote(options.consumer, safe=""),
-            body={"token": token, "lease_s": options.lease_s},
-            timeout=options.timeout,
-            access=options.access,
-        )
-        answer.close()
+        position = self.reads.position
+        for target, token in zip(position.targets, position.parts(end["token"]), strict=True):
+            if token in STARTS:
+                continue
+            answer = _http(
+                "PUT",
+                target.url,
+                "/changes/leases/" + urllib.parse.quote(options.consumer, safe=""),
+                body={"token": token, "lease_s": options.lease_s},
+                timeout=options.timeout,
+                access=target.access,
+            )
+            answer.close()
 
 
 class IndexerFeedReader(DataSourceReader):
@@ -257,8 +365,8 @@ class IndexerFeedReader(DataSourceReader):
         ending = self.options.ending
         until = self.reads.latest() if ending in (None, "latest") else ending
         until = _token_option("endingOffsets", until, ("latest",))
-        return [FeedPartition(self.options.starting, until)]
+        return self.reads.partitions(self.options.starting, until)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, FeedPartition)
-        yield from self.reads.rows(partition.since, partition.until)
+        yield from self.reads.rows(partition)

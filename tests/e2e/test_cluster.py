@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from indexer.changes import decode_cluster_token
 from indexer.client import NEXT_HEADER
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model, wait_equal, write_jsonl
+from tests.e2e.stream_client import FAST_PERSIST
+from tests.e2e.test_changes import _entry, replay
 from tests.harness import write_cluster_map
 
 pytestmark = pytest.mark.e2e
@@ -43,11 +47,11 @@ def cluster_scan(cluster_map: Path, name: str, *extra: str) -> list[dict[str, An
 
 
 def two_nodes(
-    daemon_factory: Any, routers: Any, tmp_path: Path, workload: Workload
+    daemon_factory: Any, routers: Any, tmp_path: Path, workload: Workload, **config: Any
 ) -> tuple[Daemon, Daemon, Path, list[Document], Path, Any]:
     """Nodes a (vbuckets 0-511) and b (512-1023) of a cluster map, and a router following the
     map and a JSONL file that starts with `workload`."""
-    a, b = daemon_factory(), daemon_factory()
+    a, b = daemon_factory(**config), daemon_factory(**config)
     cluster_map = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
     for daemon, name in ((a, "a"), (b, "b")):
         daemon.args = ["--cluster-map", str(cluster_map), "--node", name]
@@ -152,3 +156,64 @@ def test_moving_vbuckets_between_nodes_loses_nothing(
     wait_equal(a, owned_by(documents, 0, 255))
     assert router.stop() == 0
     assert a.stop() == 0 and b.stop() == 0
+
+
+def cluster_changes(cluster_map: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:
+    """The rows `indexer changes --cluster-map` prints, and the last token it gave."""
+    result = subprocess.run(
+        indexer_command("changes", "by_city", "--cluster-map", str(cluster_map), *extra),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    token = result.stderr.strip().splitlines()[-1].removeprefix("next: ")
+    return [json.loads(line) for line in result.stdout.splitlines()], token
+
+
+def test_the_changes_of_a_cluster_are_read_from_every_node_with_a_vector_token(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    a, b, cluster_map, documents, jsonl, router = two_nodes(
+        daemon_factory, routers, tmp_path, Workload(6_000, 2_000, 0.1, 421), **FAST_PERSIST
+    )
+    want = {"a": (a, 0, 511), "b": (b, 512, 1023)}
+
+    def caught_up(entries: set[str], token: str, *extra: str) -> str:
+        """Read on from `token` until the replayed entries equal the model (each node's
+        persisted snapshot may lag what it holds by one persist)."""
+        for daemon, first, last in want.values():
+            wait_equal(daemon, owned_by(documents, first, last))
+        wanted = {_entry(e) for e in model(documents, INDEXES["by_city"])}
+        deadline = time.monotonic() + 30
+        while entries != wanted and time.monotonic() < deadline:
+            time.sleep(0.3)
+            rows, token = cluster_changes(cluster_map, "--since", token, *extra)
+            replay(entries, rows)
+        assert entries == wanted
+        return token
+
+    rows, token = cluster_changes(cluster_map, "--since", "snapshot")
+    entries: set[str] = set()
+    replay(entries, rows)
+    token = caught_up(entries, token)
+    assert sorted(decode_cluster_token(token)) == ["a", "b"]
+    more = list(generate(Workload(3_000, 2_000, 0.2, 422)))  # updates and deletes
+    write_jsonl(jsonl, more, append=True)
+    documents += more
+    token = caught_up(entries, token, "--limit", "100")
+    for name, (daemon, _, _) in want.items():  # each part is that node's own token
+        latest = httpx.get(f"{daemon.url}/stats").json()["changes"]["latest"].split(".")
+        part = decode_cluster_token(token)[name].split(".")
+        assert part[0] == latest[0] and 1 < int(part[1]) <= int(latest[1])
+    bad = subprocess.run(
+        indexer_command(
+            "changes", "by_city", "--cluster-map", str(cluster_map), "--since", "c:x.1"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "nodes the cluster map does not have: c" in bad.stderr
+    assert bad.stderr.count("\n") == 1
+    assert router.stop() == 0

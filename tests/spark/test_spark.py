@@ -8,6 +8,7 @@ fed by one router. The last tests need neither Spark nor a daemon.
 
 from __future__ import annotations
 
+import functools
 import http.server
 import json
 import operator
@@ -33,6 +34,7 @@ from pyspark.sql.datasource import (
     LessThanOrEqual,
 )
 
+from indexer.changes import decode_cluster_token
 from indexer.cluster import row_order
 from indexer.keys import encode_key
 from indexer.router import Workload, generate
@@ -75,6 +77,8 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_gsi_keys import INDEXES as GSI_INDEXES
 from tests.e2e.test_gsi_keys import documents as gsi_documents
+from tests.spark.stream_driver import write_batch
+from tests.spark.test_stream import replayed
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
 
@@ -593,6 +597,7 @@ class Cluster:
     map: Path
     nodes: dict[str, Daemon]
     documents: list[Document]
+    jsonl: Path  # the router follows it: documents appended reach the nodes
 
 
 SLICES = {"a": (0, 511), "b": (512, 1023)}
@@ -626,10 +631,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             tmp / "router.log", "--state", str(tmp / "state"), "--jsonl", str(jsonl), "--follow",
             "--cluster-map", str(cluster_map),
         )  # fmt: skip
-        for name, (first, last) in SLICES.items():
-            owned = [d for d in documents if first <= vbucket_of(d.docid.encode(), 1024) <= last]
-            wait_equal(nodes[name], owned)
-        yield Cluster(cluster_map, nodes, documents)
+        found = Cluster(cluster_map, nodes, documents, jsonl)
+        wait_cluster_equal(found)
+        yield found
     finally:
         if router is not None and router.proc.poll() is None:
             router.proc.kill()
@@ -637,6 +641,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         for daemon in nodes.values():
             if daemon.running:
                 daemon.kill()
+
+
+def wait_cluster_equal(cluster: Cluster) -> None:
+    for name, (first, last) in SLICES.items():
+        owned = [
+            d for d in cluster.documents if first <= vbucket_of(d.docid.encode(), 1024) <= last
+        ]
+        wait_equal(cluster.nodes[name], owned)
 
 
 def node_count(daemon: Daemon, index: str, pin: str) -> int:
@@ -708,6 +720,56 @@ def test_a_cluster_map_reads_every_node_with_partitions_shared_out_among_them(
         if as_double(e["key"][0]) is not None and 30 <= e["key"][0] < 40.5
     ]
     assert sorted(tuple(r) for r in ranged.collect()) == sorted(in_range) and in_range
+
+
+def test_a_stream_over_a_cluster_map_reads_each_nodes_changes_once(
+    spark: SparkSession, cluster: Cluster, tmp_path: Path
+) -> None:
+    """Offsets are vectors of the nodes' tokens; replaying the micro-batches, each node's
+    changes in a partition, gives the index of every node together, across a restart of the
+    query from its checkpoint."""
+    out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
+    paths = INDEXES["by_city"]
+
+    def run() -> Any:
+        query = (
+            spark.readStream.format("indexer")
+            .option("cluster_map", str(cluster.map))
+            .option("index", "by_city")
+            .option("columns", "json")
+            .option("startingOffsets", "snapshot")
+            .option("maxEntriesPerTrigger", "1500")
+            .option("consumer", "cluster-copy")
+            .load()
+            .writeStream.foreachBatch(functools.partial(write_batch, out))
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(300)
+        assert query.exception() is None, query.exception()
+        return query.lastProgress
+
+    def modelled() -> set[str]:
+        return {json.dumps([e["key"], e["id"]]) for e in model(cluster.documents, paths)}
+
+    run()
+    assert replayed(spark, out)[0] == modelled()
+    more = list(generate(Workload(4_000, 3_000, 0.2, 24)))  # updates of the same ids, deletes
+    write_jsonl(cluster.jsonl, more, append=True)
+    cluster.documents += more
+    wait_cluster_equal(cluster)
+    progress = run()
+    entries, batches = replayed(spark, out)
+    assert entries == modelled()
+    assert batches == list(range(len(batches))) and len(batches) > 3
+    end = json.loads(progress["sources"][0]["endOffset"])["token"]
+    parts = decode_cluster_token(end)
+    assert sorted(parts) == sorted(SLICES)
+    for name, daemon in cluster.nodes.items():
+        stats = httpx.get(f"{daemon.url}/stats", timeout=30).json()["changes"]
+        assert stats["id"] == parts[name].split(".")[0]  # each node's own history
+        assert "cluster-copy" in stats["leases"]
 
 
 def test_a_cluster_node_that_does_not_answer_fails_the_read_with_its_name(
