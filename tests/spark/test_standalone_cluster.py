@@ -9,6 +9,7 @@ what docs/spark.md says.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -17,13 +18,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from indexer.router.documents import Document
 from tests.e2e.conftest import scan
-from tests.harness import Daemon, Router, free_port, model, wait_for_line
+from tests.harness import Daemon, Router, free_port, jsonl_lines, model, wait_for_line
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
 
@@ -140,4 +142,81 @@ def test_the_example_jobs_load_and_read_on_a_standalone_cluster(
     ]
     assert re.search(
         r"Asked to launch executor app-\S+ for indexer-by_city", cluster.worker_log.read_text()
+    )
+
+
+def replay_table(out: Path) -> set[tuple[str | None, str | None, str]]:
+    """The entries the Parquet table of changes leaves, replayed in batch and feed order."""
+    rows = pq.read_table(out).to_pylist()  # batch=N directories: a batch column
+    rows.sort(key=lambda r: (int(r["batch"]), r["ordinal"]))
+    entries: set[tuple[str | None, str | None, str]] = set()
+    for row in rows:
+        entry = (row["address_city"], row["age"], row["id"])
+        if row["op"] == "insert":
+            assert entry not in entries, row
+            entries.add(entry)
+        else:
+            assert entry in entries, row
+            entries.remove(entry)
+    return entries
+
+
+def test_the_example_stream_keeps_a_table_of_changes_on_a_standalone_cluster(
+    cluster: Cluster, node: tuple[Daemon, str], tmp_path: Path
+) -> None:
+    """examples/spark_stream.py on the cluster's executors: the snapshot, then the changes of
+    a load of updates and deletes, across a second run from its checkpoint."""
+    daemon, router_url = node
+    out = tmp_path / "changes"
+
+    def stream() -> str:
+        job = run_job(
+            "examples/spark_stream.py", "--url", daemon.url, "--index", "by_city",
+            "--out", str(out), "--max-entries", "700", "--consumer", "example",
+            "--master", cluster.master,
+        )  # fmt: skip
+        assert job.returncode == 0, job.stderr[-3000:]
+        return job.stdout
+
+    def load(documents: list[Document]) -> None:
+        answer = httpx.post(
+            f"{router_url}/docs/_bulk",
+            params={"wait": "visible"},
+            content="".join(jsonl_lines(documents)),
+            timeout=120,
+        )
+        assert answer.status_code == 200 and answer.json()["failed"] == 0, answer.text
+
+    def wanted() -> set[tuple[str | None, str | None, str]]:
+        return {
+            (json.dumps(e["key"][0]), json.dumps(e["key"][1]), e["id"])
+            for e in scan(daemon, "by_city", "any")
+        }
+
+    cities = ["Oslo", "Lima", "Kyiv", None]
+    load(
+        [
+            Document(f"s{n}", {"age": n % 70, "address": {"city": cities[n % 4]}})
+            for n in range(3_000)
+        ]
+    )
+    first = stream()
+    assert replay_table(out) == wanted() and wanted()
+    assert f"{len(wanted())} entries of index by_city rebuilt" in first
+    # Updates of the same documents, and deletes.
+    load(
+        [
+            Document(f"s{n}", None if n % 4 == 0 else {"age": n % 50, "address": {"city": "Rome"}})
+            for n in range(2_500)
+        ]
+    )
+    second = stream()
+    assert replay_table(out) == wanted()
+    assert f"{len(wanted())} entries of index by_city rebuilt" in second
+    batches = {p.name for p in out.iterdir() if p.name.startswith("batch=")}
+    assert len(batches) >= 3  # the snapshot, then at most 700 rows a batch
+    assert "example" in daemon.stats()["changes"]["leases"]
+    assert re.search(
+        r"Asked to launch executor app-\S+ for indexer-stream-by_city",
+        cluster.worker_log.read_text(),
     )

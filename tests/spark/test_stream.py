@@ -235,3 +235,35 @@ def test_a_driver_killed_mid_stream_goes_on_from_its_checkpoint(
     entries, batches = replayed(spark, out)
     assert entries == modelled(source)
     assert batches == list(range(len(batches)))
+
+
+def test_a_rollback_past_a_streams_offset_fails_it_with_one_line_and_a_new_query_replays(
+    spark: SparkSession, daemon: Daemon, tmp_path: Path
+) -> None:
+    """A failover rolls a vbucket back past the offset a query has read to: the history it read
+    did not survive, so the query fails with the 410's line rather than go on past changes it
+    cannot take back; a new query from the snapshot gives the index again."""
+    source = Source(31)
+    for vb in VBUCKETS:
+        source.write(vb, 100)
+    feed(daemon, source)
+    out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
+    query = functools.partial(run_query, spark, daemon, out, checkpoint, startingOffsets="snapshot")
+    query()
+    source.write(11, 100)
+    feed(daemon, source)
+    query()  # its offset is now past seqno 100 of vbucket 11
+    assert replayed(spark, out)[0] == modelled(source)
+    # vbucket 11's replica had only its first 150 seqnos; it takes over and goes on.
+    source.failover(11, 150)
+    source.write(11, 30)
+    source.write(222, 20)
+    router = feed(daemon, source)
+    assert set(router.reply.rollback) == {11}
+    with pytest.raises(Exception) as failed:
+        query()
+    message = error_message(failed.value)
+    assert "HTTP 410" in message and "start again from a snapshot" in message, message
+    again = tmp_path / "again"
+    run_query(spark, daemon, again, tmp_path / "checkpoint2", startingOffsets="snapshot")
+    assert replayed(spark, again)[0] == modelled(source)
