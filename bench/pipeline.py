@@ -2,7 +2,11 @@
 until a persisted snapshot covers everything; beside the daemon's own intake and PostgreSQL.
 
     python bench/pipeline.py [--documents N] [--keys K] [--seed S] [--skip-postgres]
-                             [--timeout S] [--keep]
+                             [--timeout S] [--keep] [--history-rounds R]
+
+With --history-rounds R it runs only the one-node layout, with the change history
+(`changes.history`, the default) and without it, R rounds each interleaved: what the history
+costs the whole path from JSONL to persisted.
 
 Everything runs as subprocesses on 127.0.0.1, in a temporary directory removed at the end unless
 --keep is given.
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,11 +95,13 @@ WRITE_CHUNK = 10_000  # lines per write of the input file
 PG_BATCH = 10_000  # input lines per PostgreSQL transaction
 MIB = 1 << 20
 LAYOUTS = ("1", "2_slices", "2_replicas", "1_shards2")
+NO_HISTORY = "[changes]\nhistory = false\n"  # the layout 1_no_history: no change history
 LABELS = {
     "1": "1 node",
     "2_slices": "2 nodes sliced by a cluster map",
     "2_replicas": "2 replica nodes",
     "1_shards2": "1 node, router --shards 2",
+    "1_no_history": "1 node without the change history",
 }
 AT_MOST = ("router_cpu_us_per_doc", "shards2_cpu_vs_1")  # the other targets are minimums
 TARGETS = {  # the issue's targets for these figures
@@ -196,8 +203,14 @@ def start_nodes(layout: str, run_dir: Path, inp: Input) -> tuple[list[Node], Pat
     every = list(range(n))
     if layout != "2_slices":
         count = 2 if layout == "2_replicas" else 1
+        extra = NO_HISTORY if layout == "1_no_history" else ""
         nodes = [
-            Node(f"node{i}", Daemon.in_workdir(run_dir / f"node{i}"), every, inp.seqnos(every))
+            Node(
+                f"node{i}",
+                Daemon.in_workdir(run_dir / f"node{i}", extra),
+                every,
+                inp.seqnos(every),
+            )
             for i in range(count)
         ]
         cluster_map = None
@@ -519,6 +532,42 @@ def check(ok: bool, text: str) -> None:
     say(("check: " if ok else "WARNING: ") + text)
 
 
+def history_cost(opts: argparse.Namespace, workdir: Path, inp: Input) -> dict[str, Any]:
+    """--history-rounds R: one node with and without the change history, R rounds each,
+    interleaved (so drift falls on both); the medians and their ratios."""
+    found: dict[str, list[dict[str, Any]]] = {"1": [], "1_no_history": []}
+    for round_ in range(opts.history_rounds):
+        for layout in ("1", "1_no_history") if round_ % 2 == 0 else ("1_no_history", "1"):
+            result = pipeline_run(layout, workdir / f"round{round_}", inp, opts.timeout)
+            report_run(result)
+            found[layout].append(result)
+
+    def median(layout: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in found[layout]))
+
+    summary: dict[str, Any] = {"documents": inp.documents, "rounds": opts.history_rounds}
+    for key in ("per_s", "daemon_cpu_us_per_doc", "router_cpu_us_per_doc"):
+        summary[key] = {
+            "history": [r[key] for r in found["1"]],
+            "no_history": [r[key] for r in found["1_no_history"]],
+        }
+    summary["throughput_with_vs_without"] = ratio(
+        median("1", "per_s"), median("1_no_history", "per_s")
+    )
+    summary["daemon_cpu_with_vs_without"] = ratio(
+        median("1", "daemon_cpu_us_per_doc"), median("1_no_history", "daemon_cpu_us_per_doc")
+    )
+    summary["entries_match_model"] = all(
+        r["entries_match_model"] for runs in found.values() for r in runs
+    )
+    say(
+        f"history cost: {summary['throughput_with_vs_without']}x the documents/s and "
+        f"{summary['daemon_cpu_with_vs_without']}x the daemon CPU per document of the same "
+        f"pipeline without it (medians of {opts.history_rounds} interleaved rounds)"
+    )
+    return summary
+
+
 def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Input, the three pipeline runs, the ceiling, PostgreSQL; the JSON summary."""
     config = parse_config()
@@ -531,6 +580,8 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         + ", ".join(f"{i.name}({', '.join(i.keys)})" for i in config.indexes)
         + f"; {os.cpu_count()} cores, Python {sys.version.split()[0]}"
     )
+    if opts.history_rounds:
+        return history_cost(opts, workdir, inp)
     runs: dict[str, dict[str, Any]] = {}
     for layout in LAYOUTS:
         runs[layout] = pipeline_run(layout, workdir, inp, opts.timeout)
@@ -617,6 +668,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-postgres", action="store_true", help="do not run PostgreSQL")
     parser.add_argument("--timeout", type=float, default=1800, help="of every wait, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the temp directories")
+    parser.add_argument(
+        "--history-rounds",
+        type=int,
+        default=0,
+        metavar="R",
+        help="only one node, with and without the change history, R interleaved rounds each",
+    )
     opts = parser.parse_args(argv)
     if opts.keys is None:
         opts.keys = max(1, opts.documents // 5)
