@@ -394,9 +394,17 @@ class ChangeHistory:
 
     # -- retention -----------------------------------------------------------------------------
 
-    def prune(self, keep_s: float, keep_marks: int, now: float | None = None) -> int:
-        """Forget the history older than `keep_s` seconds, keeping at least `keep_marks` marks
-        and the latest: the oldest mark kept is where tokens may start. Returns records deleted."""
+    def prune(
+        self,
+        keep_s: float,
+        keep_marks: int,
+        now: float | None = None,
+        keep_bytes: int | None = None,
+    ) -> int:
+        """Forget the history older than `keep_s` seconds, and the oldest beyond `keep_bytes`
+        of store (approximate: what LevelDB's tables hold), keeping at least `keep_marks` marks
+        and the latest, and what a lease holds: the oldest mark kept is where tokens may start.
+        Returns the records deleted."""
         marks = list(self.marks())
         now = time.time() if now is None else now
         with self._lease_lock:
@@ -407,20 +415,33 @@ class ChangeHistory:
                 self.store.write([(_META_CHANGES, self._meta())], ())
             held = min((lease.mark for lease in self.leases.values()), default=None)
         keep = max(keep_marks, 1)
-        doomed = []
-        for m in marks[:-keep]:
-            if now - m.persisted_at <= keep_s or (held is not None and m.number >= held):
-                break
-            doomed.append(m)
-        if not doomed:
+        # The marks that may go, oldest first: not the last `keep`, none a lease holds.
+        may_go = [m for m in marks[:-keep] if held is None or m.number < held]
+        dropped = 0
+        while dropped < len(may_go) and now - may_go[dropped].persisted_at > keep_s:
+            dropped += 1
+        if keep_bytes is not None:
+            total = int(self.store.db.approximate_sizes((HISTORY_PREFIX, b"i"))[0])
+            while dropped < len(may_go) and total - self._bytes_to(may_go[dropped]) > keep_bytes:
+                dropped += 1
+        if not dropped:
             return 0
-        floor = marks[len(doomed)]  # the oldest mark kept
+        doomed = may_go[:dropped]
+        floor = marks[dropped]  # the oldest mark kept
         deleted = 0
         for vb in range(self.num_vbuckets):
             stop = history_key(vb, floor.timestamp[vb] + 1)
             deleted += self._delete_range(history_key(vb, 0), stop)
         self.store.write((), [MARK_PREFIX + _MARK.pack(m.number) for m in doomed])
         return deleted
+
+    def _bytes_to(self, mark: Mark) -> int:
+        """The approximate bytes of the history records up to `mark` (what dropping the marks
+        before the next would free)."""
+        ranges = [
+            (history_key(vb, 0), history_key(vb, s + 1)) for vb, s in enumerate(mark.timestamp)
+        ]
+        return int(sum(self.store.db.approximate_sizes(*ranges)))
 
     # -- reading -------------------------------------------------------------------------------
 

@@ -76,6 +76,7 @@ class ChangesConfig:
     history: bool = True  # written by every flush; off: no feed, a little cheaper ingest
     retention_s: float = 3600.0  # history older than this is dropped...
     retention_snapshots: int = 10  # ...but the latest persisted snapshots' is always kept
+    retention_bytes: int | None = None  # the oldest beyond this much store is dropped too
 
 
 @dataclass(frozen=True)
@@ -463,6 +464,7 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         history=history,
         retention_s=ch.integer("retention_minutes", 0, 5_256_000) * 60.0,
         retention_snapshots=ch.integer("retention_snapshots", 1, 1_000_000),
+        retention_bytes=ch.integer("retention_mb", 0, 1 << 30) * (1 << 20) or None,
     )
     return Config(
         server,

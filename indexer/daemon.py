@@ -214,7 +214,12 @@ async def serve(
             counts,
             indexes,
             Recovery(points, state, keep, lambda: dict(registry.failover_logs)),
-            Retention(history, config.changes.retention_s, config.changes.retention_snapshots)
+            Retention(
+                history,
+                config.changes.retention_s,
+                config.changes.retention_snapshots,
+                config.changes.retention_bytes,
+            )
             if config.changes.history
             else None,
         )

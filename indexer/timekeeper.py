@@ -35,11 +35,12 @@ HISTORY_PRUNE_INTERVAL_S = 30.0  # how often the change history's retention is a
 
 @dataclass
 class Retention:
-    """The change history the timekeeper marks at every persist and prunes by age."""
+    """The change history the timekeeper marks at every persist and prunes by age and size."""
 
     history: ChangeHistory
     keep_s: float
     keep_snapshots: int
+    keep_bytes: int | None = None
     next_prune: float = 0.0
 
 
@@ -321,7 +322,11 @@ class Timekeeper:
         retention.next_prune = now + min(HISTORY_PRUNE_INTERVAL_S, retention.keep_s / 10)
         try:
             deleted = await trio.to_thread.run_sync(
-                retention.history.prune, retention.keep_s, retention.keep_snapshots
+                retention.history.prune,
+                retention.keep_s,
+                retention.keep_snapshots,
+                None,
+                retention.keep_bytes,
             )
         except OSError as exc:  # kept a little longer: no harm
             log.warning("could not prune the change history: %s", describe(exc))

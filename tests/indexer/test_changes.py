@@ -234,3 +234,38 @@ def test_vbuckets_leaving_restart_every_history_and_drop_their_records(store: In
     ]
     with pytest.raises(HistoryGoneError, match="starts at snapshot"):
         rows_of(history, store, ChangeToken(history.history_id, first.number), 4)
+
+
+def test_retention_by_size_drops_the_oldest_history_beyond_it_whatever_its_age(
+    store: IndexStore,
+) -> None:
+    w = writer(store)
+    indexes = store.all_indexes()
+    history = ChangeHistory(store, VBUCKETS)
+    marks = [history.write_mark(ts(0, 0, 0, 0), indexes)]
+    seqno = 0
+    for _ in range(4):  # four intervals of about the same size
+        for _ in range(20):
+            batch = [
+                record(seqno + i + 1, f"doc{seqno + i}", f"City{seqno + i}" * 8, i)
+                for i in range(100)
+            ]
+            w.apply(batch, [1] * len(batch))
+            seqno += len(batch)
+        marks.append(history.write_mark(ts(0, seqno, 0, 0), indexes))
+    store.db.compact_range()  # sizes are those of LevelDB's tables
+    total = int(store.db.approximate_sizes((b"h", b"i"))[0])
+    assert total > 100_000
+    # Young history within the size: nothing goes.
+    assert history.prune(keep_s=3600, keep_marks=1, keep_bytes=total * 2) == 0
+    history.hold("reader", ChangeToken(history.history_id, marks[0].number), lease_s=60)
+    assert history.prune(keep_s=3600, keep_marks=1, keep_bytes=total // 3) == 0  # a lease holds
+    history.release("reader")
+    # About a third of it kept: the oldest intervals go, the latest stays.
+    assert history.prune(keep_s=3600, keep_marks=1, keep_bytes=total // 3) > 0
+    kept = [m.number for m in history.marks()]
+    assert kept[-1] == marks[-1].number and kept[0] in (marks[2].number, marks[3].number)
+    with pytest.raises(HistoryGoneError, match="no longer kept"):
+        rows_of(history, store, ChangeToken(history.history_id, marks[1].number), kept[-1])
+    rows, _ = rows_of(history, store, ChangeToken(history.history_id, kept[0]), kept[-1])
+    assert rows and all(r.op == "insert" for r in rows)
