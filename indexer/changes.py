@@ -22,6 +22,7 @@ index's record names the entries before and after as one value each.
 
 from __future__ import annotations
 
+import bisect
 import json
 import marshal
 import os
@@ -32,7 +33,7 @@ import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -163,8 +164,7 @@ class Lease:
     expires_at: float
 
 
-@dataclass
-class ChangeRow:
+class ChangeRow(NamedTuple):
     """One row of the feed: an entry inserted or deleted, and the mark it first shows in."""
 
     op: str
@@ -551,12 +551,15 @@ class ChangeHistory:
 
     def _changed(
         self, index: StoredIndex, span: _Span, source: Any
-    ) -> Iterator[tuple[int, int, bytes, list[bytes], list[bytes]]]:
-        """Per document that changed in `span`, in order: vbucket, seqno, docid, the entry
-        keys it lost and those it gained."""
+    ) -> Iterator[tuple[int, int, list[tuple[int, bytes, list[bytes], list[bytes]]]]]:
+        """Per history record with changes of `index` in `span`, in order: its vbucket, the
+        mark it belongs to (one flush never straddles a snapshot: its changes share one) and,
+        per document that changed, the seqno, the docid and the entry keys lost and gained."""
         index_id = index.index_id
         entry_keys = index.entry_keys
+        array = index.array
         end = span.stamps[-1]
+        numbers = span.numbers
         first_vb, first_seqno = span.first
         last_vb, last_seqno = span.last if span.last is not None else (self.num_vbuckets - 1, -1)
         for vb in range(first_vb, last_vb + 1):
@@ -568,6 +571,7 @@ class ChangeHistory:
                 high = min(high, last_seqno)
             if high <= low:
                 continue
+            reached = span.stamps[:, vb].tolist()  # the seqno of vb each mark reached
             # Records are keyed by their highest seqno: those of the flushes up to end[vb].
             iterator = source.iterator(
                 start=history_key(vb, low + 1),
@@ -580,6 +584,7 @@ class ChangeHistory:
                     if index_id not in ids:
                         continue  # written before the index was active
                     position = ids.index(index_id)
+                    found = []
                     for seqno, docid, old_keys, new_keys in changes:
                         if seqno <= low:
                             continue
@@ -587,13 +592,27 @@ class ChangeHistory:
                             break
                         old = old_keys[position]
                         new = new_keys[position]
-                        if old != new:
-                            olds = entry_keys(old)
-                            news = entry_keys(new)
-                            gone = [k for k in olds if k not in news]
-                            came = [k for k in news if k not in olds]
-                            if gone or came:
-                                yield vb, seqno, docid, gone, came
+                        if old == new:
+                            continue
+                        if not array:  # one entry at most, before and after
+                            found.append((seqno, docid, [old] if old else [], [new] if new else []))
+                            continue
+                        olds = entry_keys(old)
+                        news = entry_keys(new)
+                        gone = [k for k in olds if k not in news]
+                        came = [k for k in news if k not in olds]
+                        if gone or came:
+                            found.append((seqno, docid, gone, came))
+                    if not found:
+                        continue
+                    # The mark of a change: the first whose timestamp reaches its seqno. A
+                    # flush never straddles a published snapshot: one mark per record.
+                    at = bisect.bisect_left(reached, found[0][0])
+                    if at == bisect.bisect_left(reached, found[-1][0]):
+                        yield vb, numbers[at], found
+                        continue
+                    for change in found:  # not written by a flush of this daemon's
+                        yield vb, numbers[bisect.bisect_left(reached, change[0])], [change]
             finally:
                 iterator.close()
 
@@ -604,30 +623,30 @@ class ChangeHistory:
         after all of it."""
         if limit is not None:
             count = 0
-            for vb, seqno, _, gone, came in self._changed(index, span, source):
-                size = len(gone) + len(came)
-                if count and count + size > limit:  # this change is the next page's first
-                    return ChangeToken(
-                        self.history_id, span.since.number, span.until, vb, seqno - 1
-                    )
-                count += size
-                if count >= limit:
-                    return ChangeToken(self.history_id, span.since.number, span.until, vb, seqno)
+            for vb, _, found in self._changed(index, span, source):
+                for seqno, _, gone, came in found:
+                    size = len(gone) + len(came)
+                    if count and count + size > limit:  # this change is the next page's first
+                        return ChangeToken(
+                            self.history_id, span.since.number, span.until, vb, seqno - 1
+                        )
+                    count += size
+                    if count >= limit:
+                        return ChangeToken(
+                            self.history_id, span.since.number, span.until, vb, seqno
+                        )
         if span.stopped:
             assert span.last is not None
             return ChangeToken(self.history_id, span.since.number, span.until, *span.last)
         return ChangeToken(self.history_id, span.until)
 
     def _rows(self, index: StoredIndex, span: _Span, source: Any) -> Iterator[ChangeRow]:
-        column_of = span.stamps.T  # per vbucket, the seqno each mark reached
-        numbers = span.numbers
-        for vb, seqno, docid, gone, came in self._changed(index, span, source):
-            # The mark of a change: the first whose timestamp reaches its seqno.
-            mark = numbers[int(np.searchsorted(column_of[vb], seqno, side="left"))]
-            for k in gone:
-                yield ChangeRow("delete", k, docid, mark)
-            for k in came:
-                yield ChangeRow("insert", k, docid, mark)
+        for _, mark, found in self._changed(index, span, source):
+            for _, docid, gone, came in found:
+                for k in gone:
+                    yield ChangeRow("delete", k, docid, mark)
+                for k in came:
+                    yield ChangeRow("insert", k, docid, mark)
 
     def _mark_or_gone(self, number: int, source: Any) -> Mark:
         mark = self.mark(number, source)

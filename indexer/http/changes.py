@@ -64,42 +64,53 @@ class ChangeRows:
         self.rows = rows  # (op, encoded key, docid, mark)
         self.sent = 0
 
-    def _next(self) -> list[tuple[str, list[Any], str, str]]:
-        chunk = []
-        # Keys and marks repeat across rows: each is decoded (or named) once per chunk.
-        keys: dict[bytes, list[Any]] = {}
-        marks: dict[int, str] = {}
+    def _next(self) -> tuple[list[str], list[bytes], list[str], list[str], dict[bytes, list[Any]]]:
+        """The next chunk as columns: ops, encoded keys, docids, snapshot tokens; and the
+        values of each key in it (keys and marks repeat across rows: each is decoded or named
+        once)."""
+        ops: list[str] = []
+        keys: list[bytes] = []
+        docids: list[str] = []
+        snapshots: list[str] = []
+        values: dict[bytes, list[Any]] = {}
+        count, desc = self.count, self.desc
+        last_mark, name = -1, ""
         for op, key, docid, mark in islice(self.rows, SCAN_CHUNK):
-            values = keys.get(key)
-            if values is None:
-                values = keys[key] = decode_key(key, self.count, desc=self.desc)[0]
-            name = marks.get(mark)
-            if name is None:
-                name = marks[mark] = f"{self.history_id}.{mark}"
-            chunk.append((op, values, docid.decode("utf-8", errors="replace"), name))
-        self.sent += len(chunk)
-        return chunk
+            if key not in values:
+                values[key] = decode_key(key, count, desc=desc)[0]
+            if mark != last_mark:
+                last_mark, name = mark, f"{self.history_id}.{mark}"
+            ops.append(op)
+            keys.append(key)
+            docids.append(docid.decode("utf-8", errors="replace"))
+            snapshots.append(name)
+        self.sent += len(ops)
+        return ops, keys, docids, snapshots, values
 
     def ndjson(self) -> bytes | None:
-        chunk = self._next()
-        if not chunk:
+        ops, keys, docids, snapshots, values = self._next()
+        if not ops:
             return None
         lines = []
-        for op, values, docid, mark in chunk:
-            row = {"op": op, **Row(values, docid).as_json(), "snapshot": mark}
+        for op, key, docid, mark in zip(ops, keys, docids, snapshots, strict=True):
+            row = {"op": op, **Row(values[key], docid).as_json(), "snapshot": mark}
             lines.append(json_encode(row) + "\n")
         return "".join(lines).encode()
 
     def arrow(self, schema: pa.Schema, kinds: Sequence[str], writer: Any) -> bool:
-        chunk = self._next()
-        if not chunk:
+        ops, keys, docids, snapshots, values = self._next()
+        if not ops:
             return False
-        columns = [pa.array([r[0] for r in chunk], pa.string())]
+        # Each key's column values, converted once.
+        converted = {
+            key: [column_value(kind, v) for kind, v in zip(kinds, found, strict=True)]
+            for key, found in values.items()
+        }
+        columns = [pa.array(ops, pa.string())]
         for j, kind in enumerate(kinds):
-            values = [column_value(kind, r[1][j]) for r in chunk]
-            columns.append(pa.array(values, COLUMN_KINDS[kind]))
-        columns.append(pa.array([r[2] for r in chunk], pa.string()))
-        columns.append(pa.array([r[3] for r in chunk], pa.string()))
+            columns.append(pa.array([converted[k][j] for k in keys], COLUMN_KINDS[kind]))
+        columns.append(pa.array(docids, pa.string()))
+        columns.append(pa.array(snapshots, pa.string()))
         writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
         return True
 
@@ -149,11 +160,6 @@ def _token_only(query: dict[str, str]) -> bool:
     if only not in (None, "token"):
         raise ApiError(400, f"only: token (the answer's X-Indexer-Next alone), not {only!r}")
     return only == "token"
-
-
-def _change_rows(rows: Iterator[ChangeRow]) -> Iterator[tuple[str, bytes, bytes, int]]:
-    for row in rows:
-        yield row.op, row.key, row.docid, row.snapshot
 
 
 def _all_rows(
@@ -258,7 +264,7 @@ class ChangeRoutes(ScanRoutes):
                 SNAPSHOT_HEADER: f"{history.history_id}.{end_mark}",
             }
             # The rows are read from `source` as they are sent, a chunk at a time.
-            answer = ChangeRows(index, history.history_id, _change_rows(rows))
+            answer = ChangeRows(index, history.history_id, rows)
             await self._send_rows(index, answer, kinds, arrow, meta, send)
         finally:
             if isinstance(rows, Generator):
