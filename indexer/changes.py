@@ -192,6 +192,20 @@ class _Span:
         )
 
 
+DocumentChange = tuple[int, bytes, list[bytes], list[bytes]]  # seqno, docid, keys lost, gained
+ChangeRecord = tuple[int, int, list[DocumentChange]]  # vbucket, mark, the documents' changes
+
+
+def _rows(records: Iterator[ChangeRecord]) -> Iterator[ChangeRow]:
+    """The feed's rows of history records: per document, its deletes, then its inserts."""
+    for _, mark, found in records:
+        for _, docid, gone, came in found:
+            for k in gone:
+                yield ChangeRow("delete", k, docid, mark)
+            for k in came:
+                yield ChangeRow("insert", k, docid, mark)
+
+
 class ChangeHistory:
     """The marks and history records of one store (blocking calls: run them in a thread)."""
 
@@ -477,13 +491,27 @@ class ChangeHistory:
         there instead: the interval must be the one `token` starts or is in, so that reads
         bounded by tokens (Spark's micro-batches) always answer the same rows. A limited read
         first finds where it ends (counting, no rows kept), so memory never holds the answer."""
+        records, after = self.read_records(index, token, until, source, limit, stop)
+        return _rows(records), after
+
+    def read_records(
+        self,
+        index: StoredIndex,
+        token: ChangeToken,
+        until: int,
+        source: Any,
+        limit: int | None = None,
+        stop: ChangeToken | None = None,
+    ) -> tuple[Iterator[ChangeRecord], ChangeToken]:
+        """`read`, as the history records hold its rows: per record, its mark and each
+        document's changes (what the HTTP answer turns into columns without a row object)."""
         span = self._span(index, token, until, source, stop)
         if span is None:
             return iter(()), ChangeToken(self.history_id, token.since)
         after = self._end_of(index, span, source, limit)
         if after.until is not None:
             span = span.ended_at(after.vbucket, after.seqno)
-        return self._rows(index, span, source), after
+        return self._changed(index, span, source), after
 
     def locate(
         self,
@@ -549,9 +577,7 @@ class ChangeHistory:
             stopped=stop is not None,
         )
 
-    def _changed(
-        self, index: StoredIndex, span: _Span, source: Any
-    ) -> Iterator[tuple[int, int, list[tuple[int, bytes, list[bytes], list[bytes]]]]]:
+    def _changed(self, index: StoredIndex, span: _Span, source: Any) -> Iterator[ChangeRecord]:
         """Per history record with changes of `index` in `span`, in order: its vbucket, the
         mark it belongs to (one flush never straddles a snapshot: its changes share one) and,
         per document that changed, the seqno, the docid and the entry keys lost and gained."""
@@ -639,14 +665,6 @@ class ChangeHistory:
             assert span.last is not None
             return ChangeToken(self.history_id, span.since.number, span.until, *span.last)
         return ChangeToken(self.history_id, span.until)
-
-    def _rows(self, index: StoredIndex, span: _Span, source: Any) -> Iterator[ChangeRow]:
-        for _, mark, found in self._changed(index, span, source):
-            for _, docid, gone, came in found:
-                for k in gone:
-                    yield ChangeRow("delete", k, docid, mark)
-                for k in came:
-                    yield ChangeRow("insert", k, docid, mark)
 
     def _mark_or_gone(self, number: int, source: Any) -> Mark:
         mark = self.mark(number, source)

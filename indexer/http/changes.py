@@ -12,6 +12,7 @@ import trio
 
 from indexer.changes import (
     ChangeHistory,
+    ChangeRecord,
     ChangeRow,
     ChangeToken,
     ChangeTokenError,
@@ -53,15 +54,21 @@ def change_schema(index: StoredIndex, kinds: Sequence[str]) -> pa.Schema:
 
 
 class ChangeRows:
-    """The rows of a feed answer, a chunk at a time: decoded keys, as NDJSON or Arrow."""
+    """The rows of a feed answer, a chunk at a time: decoded keys, as NDJSON or Arrow. The rows
+    come as history records (a change read) or one by one (a snapshot's entries)."""
 
     def __init__(
-        self, index: StoredIndex, history_id: str, rows: Iterator[tuple[str, bytes, bytes, int]]
+        self,
+        index: StoredIndex,
+        history_id: str,
+        rows: Iterator[tuple[str, bytes, bytes, int]] | None = None,
+        records: Iterator[ChangeRecord] | None = None,
     ) -> None:
         self.count = len(index.definition.keys)
         self.desc = index.definition.desc
         self.history_id = history_id
-        self.rows = rows  # (op, encoded key, docid, mark)
+        self.rows = rows if rows is not None else iter(())  # (op, encoded key, docid, mark)
+        self.records = records if records is not None else iter(())
         self.sent = 0
 
     def _next(self) -> tuple[list[str], list[bytes], list[str], list[str], dict[bytes, list[Any]]]:
@@ -72,18 +79,33 @@ class ChangeRows:
         keys: list[bytes] = []
         docids: list[str] = []
         snapshots: list[str] = []
-        values: dict[bytes, list[Any]] = {}
-        count, desc = self.count, self.desc
         last_mark, name = -1, ""
-        for op, key, docid, mark in islice(self.rows, SCAN_CHUNK):
-            if key not in values:
-                values[key] = decode_key(key, count, desc=desc)[0]
+        for _, mark, found in self.records:  # whole records, until a chunk is full
+            if mark != last_mark:
+                last_mark, name = mark, f"{self.history_id}.{mark}"
+            for _, docid, gone, came in found:
+                text = docid.decode("utf-8", errors="replace")
+                for key in gone:
+                    ops.append("delete")
+                    keys.append(key)
+                    docids.append(text)
+                    snapshots.append(name)
+                for key in came:
+                    ops.append("insert")
+                    keys.append(key)
+                    docids.append(text)
+                    snapshots.append(name)
+            if len(ops) >= SCAN_CHUNK:
+                break
+        for op, key, docid, mark in islice(self.rows, max(0, SCAN_CHUNK - len(ops))):
             if mark != last_mark:
                 last_mark, name = mark, f"{self.history_id}.{mark}"
             ops.append(op)
             keys.append(key)
             docids.append(docid.decode("utf-8", errors="replace"))
             snapshots.append(name)
+        count, desc = self.count, self.desc
+        values = {key: decode_key(key, count, desc=desc)[0] for key in set(keys)}
         self.sent += len(ops)
         return ops, keys, docids, snapshots, values
 
@@ -243,7 +265,7 @@ class ChangeRoutes(ScanRoutes):
             if "until" not in query:
                 until = latest.number
         source = self.view.store.snapshot()
-        rows: Iterator[ChangeRow] = iter(())
+        records: Iterator[ChangeRecord] = iter(())
         try:
             try:
                 if token_only:
@@ -251,8 +273,8 @@ class ChangeRoutes(ScanRoutes):
                         history.locate, index, token, until, source, limit, stop
                     )
                 else:
-                    rows, after = await trio.to_thread.run_sync(
-                        history.read, index, token, until, source, limit, stop
+                    records, after = await trio.to_thread.run_sync(
+                        history.read_records, index, token, until, source, limit, stop
                     )
             except HistoryGoneError as exc:
                 raise ApiError(410, str(exc)) from None
@@ -264,11 +286,11 @@ class ChangeRoutes(ScanRoutes):
                 SNAPSHOT_HEADER: f"{history.history_id}.{end_mark}",
             }
             # The rows are read from `source` as they are sent, a chunk at a time.
-            answer = ChangeRows(index, history.history_id, rows)
+            answer = ChangeRows(index, history.history_id, records=records)
             await self._send_rows(index, answer, kinds, arrow, meta, send)
         finally:
-            if isinstance(rows, Generator):
-                rows.close()  # its LevelDB iterator, before the snapshot it reads
+            if isinstance(records, Generator):
+                records.close()  # its LevelDB iterator, before the snapshot it reads
             source.close()
         return answer.sent
 
