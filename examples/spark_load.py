@@ -10,6 +10,13 @@ whose value in that column is true deletes the document instead. Each task posts
 the router that owns them in bounded bulks (`POST /docs/_bulk`); the job ends once the routers
 have every row in their source logs (--wait persisted) or once the nodes can read them
 (--wait visible). Running it again is harmless: the latest version of a document wins.
+
+With --stream CHECKPOINT the directory is read as a stream (`writeStream.format("indexer")`):
+each run loads the files added since the last (Spark's checkpoint remembers which), and
+--follow keeps loading new files every 10 s.
+
+    python examples/spark_load.py --parquet incoming/ --router http://127.0.0.1:9110 --id id \
+        --stream out/load_checkpoint
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+from pyspark.sql import SparkSession
 
 from indexer.spark import error_message, session
 
@@ -35,7 +44,45 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--token-file", help="a file holding the routers' token")
     parser.add_argument("--master", help="Spark master (default: spark-submit's, or local[*])")
-    return parser.parse_args(argv)
+    parser.add_argument("--stream", metavar="CHECKPOINT", help="load the directory as a stream")
+    parser.add_argument("--follow", action="store_true", help="with --stream: keep loading")
+    args = parser.parse_args(argv)
+    if args.follow and not args.stream:
+        parser.error("--follow goes with --stream")
+    return args
+
+
+def options(args: argparse.Namespace) -> dict[str, str]:
+    """The writer's options, the same for a batch and a stream."""
+    found = {"router": args.router, "id": args.id, "wait": args.wait, "on_error": args.on_error}
+    if args.delete:
+        found["delete"] = args.delete
+    if args.token_file:
+        found["token_file"] = args.token_file
+    return found
+
+
+def stream(spark: SparkSession, args: argparse.Namespace) -> int:
+    """Load the files of the directory that the checkpoint has not seen; the rows loaded."""
+    schema = spark.read.parquet(args.parquet).schema
+    writer = (
+        spark.readStream.schema(schema)
+        .parquet(args.parquet)
+        .writeStream.format("indexer")
+        .options(**options(args))
+        .option("checkpointLocation", args.stream)
+    )
+    if args.follow:
+        query = writer.trigger(processingTime="10 seconds").start()
+    else:
+        query = writer.trigger(availableNow=True).start()
+    try:
+        query.awaitTermination()
+    except KeyboardInterrupt:
+        query.stop()
+    if query.exception() is not None:
+        raise query.exception()  # type: ignore[misc]
+    return sum(int(p["numInputRows"]) for p in query.recentProgress)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,21 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     spark = session("indexer-load", args.master)
     try:
-        df = spark.read.parquet(args.parquet)
-        rows = df.count()
-        write = (
-            df.write.format("indexer")
-            .mode("append")
-            .option("router", args.router)
-            .option("id", args.id)
-            .option("wait", args.wait)
-            .option("on_error", args.on_error)
-        )
-        if args.delete:
-            write = write.option("delete", args.delete)
-        if args.token_file:
-            write = write.option("token_file", args.token_file)
-        write.save()
+        if args.stream:
+            rows = stream(spark, args)
+        else:
+            df = spark.read.parquet(args.parquet)
+            rows = df.count()
+            df.write.format("indexer").mode("append").options(**options(args)).save()
     except Exception as exc:  # Spark wraps the writer's one-line reason in pages of trace
         print(f"spark_load: error: {error_message(exc)}", file=sys.stderr)
         return 1

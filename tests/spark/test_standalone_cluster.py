@@ -220,3 +220,41 @@ def test_the_example_stream_keeps_a_table_of_changes_on_a_standalone_cluster(
         r"Asked to launch executor app-\S+ for indexer-stream-by_city",
         cluster.worker_log.read_text(),
     )
+
+
+def test_the_example_load_streams_a_directory_into_the_index_on_a_standalone_cluster(
+    cluster: Cluster, node: tuple[Daemon, str], tmp_path: Path
+) -> None:
+    """examples/spark_load.py --stream: writeStream.format("indexer") on the cluster's
+    executors; a second run loads only the file added since (updates and deletes)."""
+    daemon, router_url = node
+    incoming, checkpoint = tmp_path / "incoming", tmp_path / "checkpoint"
+    incoming.mkdir()
+
+    def load() -> str:
+        job = run_job(
+            "examples/spark_load.py", "--parquet", str(incoming), "--router", router_url,
+            "--id", "id", "--delete", "deleted", "--wait", "visible", "--stream", str(checkpoint),
+            "--master", cluster.master,
+        )  # fmt: skip
+        assert job.returncode == 0, job.stderr[-3000:]
+        return job.stdout
+
+    first = [
+        {"id": f"w{n}", "age": n % 40, "address": {"city": "Bern"}, "deleted": False}
+        for n in range(2_000)
+    ]
+    pq.write_table(pa.Table.from_pylist(first), incoming / "part-0.parquet")
+    assert "loaded 2000 rows" in load()
+    second = [
+        {"id": f"w{n}", "age": 99, "address": {"city": "Graz"}, "deleted": n % 2 == 0}
+        for n in range(500)
+    ]
+    pq.write_table(pa.Table.from_pylist(second), incoming / "part-1.parquet")
+    assert "loaded 500 rows" in load()  # only the new file
+    documents = [
+        Document(r["id"], None if r["deleted"] else {"age": r["age"], "address": r["address"]})
+        for r in first + second
+    ]
+    mine = [e for e in scan(daemon, "by_city", "any") if e["id"].startswith("w")]
+    assert mine == model(documents, INDEX)
