@@ -70,8 +70,7 @@ def changes(
 
     \b
       indexer changes by_city --since latest --follow
-      indexer changes by_age --since 3f9a01c2.41 > changes.jsonl
-      indexer changes by_age --cluster-map cluster.toml --since latest --follow
+      indexer changes by_age --cluster-map cluster.toml > changes.jsonl
     """
     import httpx
 
