@@ -27,7 +27,7 @@ import time
 
 from pyspark.sql import SparkSession
 
-from indexer.spark import error_message, session
+from indexer.spark import error_message, run_stream, session
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,16 +72,7 @@ def stream(spark: SparkSession, args: argparse.Namespace) -> int:
         .options(**options(args))
         .option("checkpointLocation", args.stream)
     )
-    if args.follow:
-        query = writer.trigger(processingTime="10 seconds").start()
-    else:
-        query = writer.trigger(availableNow=True).start()
-    try:
-        query.awaitTermination()
-    except KeyboardInterrupt:
-        query.stop()
-    if query.exception() is not None:
-        raise query.exception()  # type: ignore[misc]
+    query = run_stream(writer, args.follow)
     return sum(int(p["numInputRows"]) for p in query.recentProgress)
 
 

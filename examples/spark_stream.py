@@ -23,7 +23,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from indexer.spark import error_message, session
+from indexer.spark import error_message, run_stream, session
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,16 +79,7 @@ def run(spark: SparkSession, args: argparse.Namespace) -> Any:
         .writeStream.foreachBatch(lambda batch, batch_id: write_batch(out, batch, batch_id))
         .option("checkpointLocation", args.checkpoint or f"{out}_checkpoint")
     )
-    if args.follow:
-        query = writer.trigger(processingTime="10 seconds").start()
-    else:
-        query = writer.trigger(availableNow=True).start()
-    try:
-        query.awaitTermination()
-    except KeyboardInterrupt:
-        query.stop()
-    if query.exception() is not None:
-        raise query.exception()  # type: ignore[misc]
+    query = run_stream(writer, args.follow)
     return query.lastProgress
 
 

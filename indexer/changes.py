@@ -522,11 +522,9 @@ class ChangeHistory:
         limit: int | None = None,
         stop: ChangeToken | None = None,
     ) -> ChangeToken:
-        """Where `read` with the same arguments ends: its token alone, no rows built."""
-        span = self._span(index, token, until, source, stop)
-        if span is None:
-            return ChangeToken(self.history_id, token.since)
-        return self._end_of(index, span, source, limit)
+        """Where `read` with the same arguments ends: its token alone, no rows built (the
+        records are a generator, left unread)."""
+        return self.read_records(index, token, until, source, limit, stop)[1]
 
     def _span(
         self,

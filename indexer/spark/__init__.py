@@ -79,6 +79,7 @@ from indexer.spark.sessions import (
     pushdown_default,
     read_plan_per_scan,
     register,
+    run_stream,
     session,
 )
 from indexer.spark.source import (
@@ -154,6 +155,7 @@ __all__ = [
     "register",
     "release",
     "release_cluster",
+    "run_stream",
     "session",
     "share_partitions",
 ]

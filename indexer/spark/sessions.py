@@ -29,6 +29,24 @@ def error_message(exc: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
+def run_stream(writer: Any, follow: bool) -> Any:
+    """Start a `DataStreamWriter` and wait for it: every ten seconds until Ctrl-C when
+    `follow`, else once over what is there (`availableNow`). Returns the stopped query and
+    raises the query's own exception if it failed."""
+    if follow:
+        query = writer.trigger(processingTime="10 seconds").start()
+    else:
+        query = writer.trigger(availableNow=True).start()
+    try:
+        query.awaitTermination()
+    except KeyboardInterrupt:
+        query.stop()
+    failure = query.exception()
+    if failure is not None:
+        raise failure
+    return query
+
+
 _LOG4J2 = """\
 rootLogger.level = warn
 rootLogger.appenderRef.stderr.ref = console

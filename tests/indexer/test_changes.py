@@ -9,7 +9,7 @@ import pytest
 
 from indexer.changes import ChangeHistory, ChangeToken, ChangeTokenError, HistoryGoneError
 from indexer.keys import encode_key
-from indexer.storage import IndexStore
+from indexer.storage import IndexStore, StoredIndex
 from indexer.timestamps import StabilityTimestamp
 from tests.workers.test_flush import DEFS, back, entries, record
 from workers.flush import BackIndexCache, IndexWriter
@@ -34,6 +34,12 @@ def writer(store: IndexStore) -> IndexWriter:
     return IndexWriter(store, indexes, cache, history=True)
 
 
+def writing(store: IndexStore) -> tuple[IndexWriter, list[StoredIndex], ChangeHistory]:
+    """A writer that keeps history, the indexes it writes, and the history to mark and read."""
+    w = writer(store)
+    return w, store.all_indexes(), ChangeHistory(store, VBUCKETS)
+
+
 def rows_of(history: ChangeHistory, store: IndexStore, token: ChangeToken, until: int, **kw):  # type: ignore[no-untyped-def]
     source = store.snapshot()
     try:
@@ -47,9 +53,7 @@ def rows_of(history: ChangeHistory, store: IndexStore, token: ChangeToken, until
 
 
 def test_records_between_marks_are_the_changes_and_pages_read_the_same(store: IndexStore) -> None:
-    w = writer(store)
-    indexes = store.all_indexes()
-    history = ChangeHistory(store, VBUCKETS)
+    w, indexes, history = writing(store)
     first = history.write_mark(ts(0, 0, 0, 0), indexes)
     w.apply([record(1, "a", "Oslo", 30), record(2, "b", "Rome", 40)], [1, 1])
     w.apply([record(1, "c", "Lima", 50)], [2])
@@ -121,9 +125,7 @@ def test_going_back_past_an_unclean_timestamp_reverts_from_the_records(
 
 
 def test_retention_drops_old_history_and_its_tokens(store: IndexStore) -> None:
-    w = writer(store)
-    indexes = store.all_indexes()
-    history = ChangeHistory(store, VBUCKETS)
+    w, indexes, history = writing(store)
     old = history.write_mark(ts(0, 0, 0, 0), indexes)
     w.apply([record(1, "a", "Oslo", 30)], [3])
     middle = history.write_mark(ts(0, 0, 0, 1), indexes)
@@ -166,9 +168,7 @@ def test_tokens_that_the_feed_never_gave_are_refused(text: str) -> None:
 
 
 def test_history_of_another_format_is_dropped_with_its_tokens(store: IndexStore) -> None:
-    w = writer(store)
-    indexes = store.all_indexes()
-    history = ChangeHistory(store, VBUCKETS)
+    w, indexes, history = writing(store)
     old = history.write_mark(ts(0, 0, 0, 0), indexes)
     w.apply([record(1, "a", "Oslo", 30)], [1])
     history.write_mark(ts(0, 1, 0, 0), indexes)
@@ -187,9 +187,7 @@ def test_history_of_another_format_is_dropped_with_its_tokens(store: IndexStore)
 def test_a_lease_keeps_history_past_retention_until_it_ends_or_expires(
     store: IndexStore,
 ) -> None:
-    w = writer(store)
-    indexes = store.all_indexes()
-    history = ChangeHistory(store, VBUCKETS)
+    w, indexes, history = writing(store)
     first = history.write_mark(ts(0, 0, 0, 0), indexes)
     for seqno in range(1, 4):
         w.apply([record(seqno, "a", f"City{seqno}", 30)], [2])
@@ -213,9 +211,7 @@ def test_a_lease_keeps_history_past_retention_until_it_ends_or_expires(
 
 
 def test_vbuckets_leaving_restart_every_history_and_drop_their_records(store: IndexStore) -> None:
-    w = writer(store)
-    indexes = store.all_indexes()
-    history = ChangeHistory(store, VBUCKETS)
+    w, indexes, history = writing(store)
     first = history.write_mark(ts(0, 0, 0, 0), indexes)
     w.apply([record(1, "a", "Oslo", 30)], [1])
     w.apply([record(1, "c", "Lima", 50)], [2])
@@ -239,9 +235,7 @@ def test_vbuckets_leaving_restart_every_history_and_drop_their_records(store: In
 def test_retention_by_size_drops_the_oldest_history_beyond_it_whatever_its_age(
     store: IndexStore,
 ) -> None:
-    w = writer(store)
-    indexes = store.all_indexes()
-    history = ChangeHistory(store, VBUCKETS)
+    w, indexes, history = writing(store)
     marks = [history.write_mark(ts(0, 0, 0, 0), indexes)]
     seqno = 0
     for _ in range(4):  # four intervals of about the same size

@@ -8,7 +8,6 @@ fed by one router. The last tests need neither Spark nor a daemon.
 
 from __future__ import annotations
 
-import functools
 import http.server
 import json
 import operator
@@ -77,8 +76,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_gsi_keys import INDEXES as GSI_INDEXES
 from tests.e2e.test_gsi_keys import documents as gsi_documents
-from tests.spark.stream_driver import write_batch
-from tests.spark.test_stream import replayed
+from tests.spark.test_stream import replayed, run_query
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
 
@@ -732,23 +730,15 @@ def test_a_stream_over_a_cluster_map_reads_each_nodes_changes_once(
     paths = INDEXES["by_city"]
 
     def run() -> Any:
-        query = (
-            spark.readStream.format("indexer")
-            .option("cluster_map", str(cluster.map))
-            .option("index", "by_city")
-            .option("columns", "json")
-            .option("startingOffsets", "snapshot")
-            .option("maxEntriesPerTrigger", "1500")
-            .option("consumer", "cluster-copy")
-            .load()
-            .writeStream.foreachBatch(functools.partial(write_batch, out))
-            .option("checkpointLocation", str(checkpoint))
-            .trigger(availableNow=True)
-            .start()
+        return run_query(
+            spark,
+            out,
+            checkpoint,
+            cluster_map=str(cluster.map),
+            startingOffsets="snapshot",
+            maxEntriesPerTrigger="1500",
+            consumer="cluster-copy",
         )
-        query.awaitTermination(300)
-        assert query.exception() is None, query.exception()
-        return query.lastProgress
 
     def modelled() -> set[str]:
         return {json.dumps([e["key"], e["id"]]) for e in model(cluster.documents, paths)}

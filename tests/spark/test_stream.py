@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyspark.sql import SparkSession
@@ -46,14 +47,10 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     daemon.kill()
 
 
-def run_query(spark: SparkSession, daemon: Daemon, out: Path, checkpoint: Path, **options: str):  # type: ignore[no-untyped-def]
-    """One run of the query from its checkpoint until it has read everything available."""
-    stream = (
-        spark.readStream.format("indexer")
-        .option("url", daemon.url)
-        .option("index", NAME)
-        .option("columns", "json")
-    )
+def run_query(spark: SparkSession, out: Path, checkpoint: Path, **options: str) -> Any:
+    """One run of the query from its checkpoint until it has read everything available;
+    `options` name the source (`url` or `cluster_map`) and where to start. Its last progress."""
+    stream = spark.readStream.format("indexer").option("index", NAME).option("columns", "json")
     for key, value in options.items():
         stream = stream.option(key, value)
 
@@ -66,6 +63,7 @@ def run_query(spark: SparkSession, daemon: Daemon, out: Path, checkpoint: Path, 
     )
     query.awaitTermination(300)
     assert query.exception() is None, query.exception()
+    return query.lastProgress
 
 
 def replayed(spark: SparkSession, out: Path) -> tuple[set[str], list[int]]:
@@ -96,16 +94,18 @@ def test_a_stream_appended_to_parquet_replays_to_the_index_across_restarts(
         source.write(vb, 80)
     feed(daemon, source)
     out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
-    copy = functools.partial(
-        run_query,
-        spark,
-        daemon,
-        out,
-        checkpoint,
-        startingOffsets="snapshot",
-        maxEntriesPerTrigger="100",
-        consumer="parquet-copy",
-    )
+
+    def copy() -> Any:  # the daemon's address is read at each run: a restart may move it
+        return run_query(
+            spark,
+            out,
+            checkpoint,
+            url=daemon.url,
+            startingOffsets="snapshot",
+            maxEntriesPerTrigger="100",
+            consumer="parquet-copy",
+        )
+
     copy()
     entries, batches = replayed(spark, out)
     assert entries == modelled(source)
@@ -231,7 +231,14 @@ def test_a_driver_killed_mid_stream_goes_on_from_its_checkpoint(
         source.write(vb, 40)
     feed(daemon, source)
     # The same query goes on from the killed driver's checkpoint, here.
-    run_query(spark, daemon, out, checkpoint, startingOffsets="snapshot", maxEntriesPerTrigger="25")
+    run_query(
+        spark,
+        out,
+        checkpoint,
+        url=daemon.url,
+        startingOffsets="snapshot",
+        maxEntriesPerTrigger="25",
+    )
     entries, batches = replayed(spark, out)
     assert entries == modelled(source)
     assert batches == list(range(len(batches)))
@@ -248,7 +255,9 @@ def test_a_rollback_past_a_streams_offset_fails_it_with_one_line_and_a_new_query
         source.write(vb, 100)
     feed(daemon, source)
     out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
-    query = functools.partial(run_query, spark, daemon, out, checkpoint, startingOffsets="snapshot")
+    query = functools.partial(
+        run_query, spark, out, checkpoint, url=daemon.url, startingOffsets="snapshot"
+    )
     query()
     source.write(11, 100)
     feed(daemon, source)
@@ -265,5 +274,5 @@ def test_a_rollback_past_a_streams_offset_fails_it_with_one_line_and_a_new_query
     message = error_message(failed.value)
     assert "HTTP 410" in message and "start again from a snapshot" in message, message
     again = tmp_path / "again"
-    run_query(spark, daemon, again, tmp_path / "checkpoint2", startingOffsets="snapshot")
+    run_query(spark, again, tmp_path / "checkpoint2", url=daemon.url, startingOffsets="snapshot")
     assert replayed(spark, again)[0] == modelled(source)
