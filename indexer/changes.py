@@ -193,17 +193,51 @@ class _Span:
 
 
 DocumentChange = tuple[int, bytes, list[bytes], list[bytes]]  # seqno, docid, keys lost, gained
-ChangeRecord = tuple[int, int, list[DocumentChange]]  # vbucket, mark, the documents' changes
 
 
-def _rows(records: Iterator[ChangeRecord]) -> Iterator[ChangeRow]:
+class ChangeBlock(NamedTuple):
+    """The documents of one history record, as columns in seqno order, all of one mark: each
+    one's seqno, docid and the index's value before and after (b"": no entry; for an array
+    index, its entries together, as the back index holds them). A document whose value did not
+    change is in it too: the readers skip it (`document_changes`, or in columns)."""
+
+    vbucket: int
+    mark: int
+    seqnos: Sequence[int]
+    docids: Sequence[bytes]
+    olds: Sequence[bytes]
+    news: Sequence[bytes]
+
+
+def document_changes(index: StoredIndex, block: ChangeBlock) -> Iterator[DocumentChange]:
+    """Per document of `block` whose entries of `index` changed: its seqno, docid, and the
+    entry keys it lost and gained."""
+    documents = zip(block.seqnos, block.docids, block.olds, block.news, strict=True)
+    if not index.array:  # one entry at most, before and after
+        for seqno, docid, old, new in documents:
+            if old != new:
+                yield seqno, docid, [old] if old else [], [new] if new else []
+        return
+    entry_keys = index.entry_keys
+    for seqno, docid, old, new in documents:
+        if old == new:
+            continue
+        olds = entry_keys(old)
+        news = entry_keys(new)
+        gone = [k for k in olds if k not in news]
+        came = [k for k in news if k not in olds]
+        if gone or came:
+            yield seqno, docid, gone, came
+
+
+def _rows(index: StoredIndex, blocks: Iterator[ChangeBlock]) -> Iterator[ChangeRow]:
     """The feed's rows of history records: per document, its deletes, then its inserts."""
-    for _, mark, found in records:
-        for _, docid, gone, came in found:
+    for block in blocks:
+        for _, docid, gone, came in document_changes(index, block):
             for k in gone:
-                yield ChangeRow("delete", k, docid, mark)
+                yield ChangeRow("delete", k, docid, block.mark)
             for k in came:
-                yield ChangeRow("insert", k, docid, mark)
+                yield ChangeRow("insert", k, docid, block.mark)
 
 
 class ChangeHistory:
@@ -491,8 +525,8 @@ class ChangeHistory:
         there instead: the interval must be the one `token` starts or is in, so that reads
         bounded by tokens (Spark's micro-batches) always answer the same rows. A limited read
         first finds where it ends (counting, no rows kept), so memory never holds the answer."""
-        records, after = self.read_records(index, token, until, source, limit, stop)
-        return _rows(records), after
+        blocks, after = self.read_records(index, token, until, source, limit, stop)
+        return _rows(index, blocks), after
 
     def read_records(
         self,
@@ -502,9 +536,10 @@ class ChangeHistory:
         source: Any,
         limit: int | None = None,
         stop: ChangeToken | None = None,
-    ) -> tuple[Iterator[ChangeRecord], ChangeToken]:
-        """`read`, as the history records hold its rows: per record, its mark and each
-        document's changes (what the HTTP answer turns into columns without a row object)."""
+    ) -> tuple[Iterator[ChangeBlock], ChangeToken]:
+        """`read`, as the history records hold its rows: their documents in columns, a block
+        per record and mark (what the HTTP answer turns into Arrow columns a chunk at a time,
+        without an object per row)."""
         span = self._span(index, token, until, source, stop)
         if span is None:
             return iter(()), ChangeToken(self.history_id, token.since)
@@ -575,13 +610,12 @@ class ChangeHistory:
             stopped=stop is not None,
         )
 
-    def _changed(self, index: StoredIndex, span: _Span, source: Any) -> Iterator[ChangeRecord]:
-        """Per history record with changes of `index` in `span`, in order: its vbucket, the
-        mark it belongs to (one flush never straddles a snapshot: its changes share one) and,
-        per document that changed, the seqno, the docid and the entry keys lost and gained."""
+    def _changed(self, index: StoredIndex, span: _Span, source: Any) -> Iterator[ChangeBlock]:
+        """The history records of `span` that `index` was written with, in order, as blocks
+        of documents in one mark each (one flush never straddles a snapshot: a record is one
+        block). Per record: one unmarshal, the documents' columns sliced to the span, and the
+        index's values picked by position (no work per document in Python beyond that)."""
         index_id = index.index_id
-        entry_keys = index.entry_keys
-        array = index.array
         end = span.stamps[-1]
         numbers = span.numbers
         first_vb, first_seqno = span.first
@@ -605,38 +639,33 @@ class ChangeHistory:
             try:
                 for value in iterator:
                     ids, changes = decode_group(value)
-                    if index_id not in ids:
+                    if index_id not in ids or not changes:
                         continue  # written before the index was active
                     position = ids.index(index_id)
-                    found = []
-                    for seqno, docid, old_keys, new_keys in changes:
-                        if seqno <= low:
-                            continue
-                        if seqno > high:
-                            break
-                        old = old_keys[position]
-                        new = new_keys[position]
-                        if old == new:
-                            continue
-                        if not array:  # one entry at most, before and after
-                            found.append((seqno, docid, [old] if old else [], [new] if new else []))
-                            continue
-                        olds = entry_keys(old)
-                        news = entry_keys(new)
-                        gone = [k for k in olds if k not in news]
-                        came = [k for k in news if k not in olds]
-                        if gone or came:
-                            found.append((seqno, docid, gone, came))
-                    if not found:
+                    seqnos, docids, olds_all, news_all = zip(*changes, strict=True)
+                    start = bisect.bisect_right(seqnos, low) if seqnos[0] <= low else 0
+                    stop = bisect.bisect_right(seqnos, high) if seqnos[-1] > high else len(seqnos)
+                    if start >= stop:
                         continue
-                    # The mark of a change: the first whose timestamp reaches its seqno. A
-                    # flush never straddles a published snapshot: one mark per record.
-                    at = bisect.bisect_left(reached, found[0][0])
-                    if at == bisect.bisect_left(reached, found[-1][0]):
-                        yield vb, numbers[at], found
+                    if start or stop < len(seqnos):
+                        seqnos, docids = seqnos[start:stop], docids[start:stop]
+                        olds_all, news_all = olds_all[start:stop], news_all[start:stop]
+                    olds = [keys[position] for keys in olds_all]
+                    news = [keys[position] for keys in news_all]
+                    # The mark of a change: the first whose timestamp reaches its seqno.
+                    at = bisect.bisect_left(reached, seqnos[0])
+                    if reached[at] >= seqnos[-1]:
+                        yield ChangeBlock(vb, numbers[at], seqnos, docids, olds, news)
                         continue
-                    for change in found:  # not written by a flush of this daemon's
-                        yield vb, numbers[bisect.bisect_left(reached, change[0])], [change]
+                    # Not written by a flush of this daemon's: a block per mark it straddles.
+                    i = 0
+                    while i < len(seqnos):
+                        at = bisect.bisect_left(reached, seqnos[i])
+                        j = bisect.bisect_right(seqnos, reached[at], i)
+                        yield ChangeBlock(
+                            vb, numbers[at], seqnos[i:j], docids[i:j], olds[i:j], news[i:j]
+                        )
+                        i = j
             finally:
                 iterator.close()
 
@@ -647,8 +676,9 @@ class ChangeHistory:
         after all of it."""
         if limit is not None:
             count = 0
-            for vb, _, found in self._changed(index, span, source):
-                for seqno, _, gone, came in found:
+            for block in self._changed(index, span, source):
+                vb = block.vbucket
+                for seqno, _, gone, came in document_changes(index, block):
                     size = len(gone) + len(came)
                     if count and count + size > limit:  # this change is the next page's first
                         return ChangeToken(

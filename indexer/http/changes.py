@@ -5,19 +5,22 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Generator, Iterator, Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import trio
 
 from indexer.changes import (
+    ChangeBlock,
     ChangeHistory,
-    ChangeRecord,
     ChangeRow,
     ChangeToken,
     ChangeTokenError,
     HistoryGoneError,
     Mark,
+    document_changes,
 )
 from indexer.client import NDJSON, NEXT_HEADER, RETRY_AFTER, SNAPSHOT_HEADER
 from indexer.http.scans import ScanRoutes, _arrow_bodies, _column_kinds, _stream
@@ -53,88 +56,187 @@ def change_schema(index: StoredIndex, kinds: Sequence[str]) -> pa.Schema:
     return pa.schema(fields)
 
 
+OPS = pa.array(["delete", "insert"], pa.string())  # taken by 0 or 1: a row's op
+DECODED_KEYS_KEPT = 65_536  # distinct keys whose column values an answer keeps between chunks
+
+
+class _Chunk(NamedTuple):
+    """Rows of a feed answer as columns: insert (else delete), encoded key, docid, and the
+    token of the snapshot each row first shows in."""
+
+    inserts: np.ndarray
+    keys: pa.BinaryArray
+    docids: pa.BinaryArray
+    snapshots: pa.StringArray
+
+
+def _document_rows(
+    docids: list[bytes], olds: list[bytes], news: list[bytes], snapshots: list[str]
+) -> _Chunk:
+    """The rows of documents of an index of one entry at most per document, in array
+    operations: per document whose value changed, the delete of the old entry then the insert
+    of the new (either may be none)."""
+    n = len(docids)
+    before = pa.array(olds, pa.binary())
+    after = pa.array(news, pa.binary())
+    changed = pc.not_equal(before, after).to_numpy(zero_copy_only=False)
+    # Row 2i is document i's delete, row 2i + 1 its insert: kept where there is an entry.
+    kept = np.empty(2 * n, dtype=bool)
+    kept[0::2] = changed & (pc.binary_length(before).to_numpy() > 0)
+    kept[1::2] = changed & (pc.binary_length(after).to_numpy() > 0)
+    rows = np.flatnonzero(kept)
+    documents = rows >> 1
+    inserts = (rows & 1).astype(bool)
+    keys = pa.concat_arrays([before, after]).take(np.where(inserts, documents + n, documents))
+    return _Chunk(
+        inserts,
+        keys,
+        pa.array(docids, pa.binary()).take(documents),
+        pa.array(snapshots, pa.string()).take(documents),
+    )
+
+
 class ChangeRows:
     """The rows of a feed answer, a chunk at a time: decoded keys, as NDJSON or Arrow. The rows
-    come as history records (a change read) or one by one (a snapshot's entries)."""
+    come as blocks of history records (a change read) or one by one (a snapshot's entries)."""
 
     def __init__(
         self,
         index: StoredIndex,
         history_id: str,
         rows: Iterator[tuple[str, bytes, bytes, int]] | None = None,
-        records: Iterator[ChangeRecord] | None = None,
+        records: Iterator[ChangeBlock] | None = None,
     ) -> None:
+        self.index = index
         self.count = len(index.definition.keys)
         self.desc = index.definition.desc
         self.history_id = history_id
         self.rows = rows if rows is not None else iter(())  # (op, encoded key, docid, mark)
         self.records = records if records is not None else iter(())
         self.sent = 0
+        # Keys repeat across chunks (cities, ages): each is decoded and converted once.
+        self._decoded: dict[bytes, list[Any]] = {}
+        self._converted: dict[bytes, list[Any]] = {}
 
-    def _next(self) -> tuple[list[str], list[bytes], list[str], list[str], dict[bytes, list[Any]]]:
-        """The next chunk as columns: ops, encoded keys, docids, snapshot tokens; and the
-        values of each key in it (keys and marks repeat across rows: each is decoded or named
-        once)."""
-        ops: list[str] = []
-        keys: list[bytes] = []
-        docids: list[str] = []
+    def _next(self) -> _Chunk | None:
+        """The next chunk of rows (whole records, about SCAN_CHUNK documents), None at the end."""
+        docids: list[bytes] = []
+        olds: list[bytes] = []
+        news: list[bytes] = []
         snapshots: list[str] = []
         last_mark, name = -1, ""
-        for _, mark, found in self.records:  # whole records, until a chunk is full
-            if mark != last_mark:
-                last_mark, name = mark, f"{self.history_id}.{mark}"
-            for _, docid, gone, came in found:
-                text = docid.decode("utf-8", errors="replace")
-                for key in gone:
-                    ops.append("delete")
-                    keys.append(key)
-                    docids.append(text)
-                    snapshots.append(name)
-                for key in came:
-                    ops.append("insert")
-                    keys.append(key)
-                    docids.append(text)
-                    snapshots.append(name)
-            if len(ops) >= SCAN_CHUNK:
+        for block in self.records:
+            if block.mark != last_mark:
+                last_mark, name = block.mark, f"{self.history_id}.{block.mark}"
+            docids += block.docids
+            olds += block.olds
+            news += block.news
+            snapshots += [name] * len(block.docids)
+            if len(docids) >= SCAN_CHUNK:
                 break
-        for op, key, docid, mark in islice(self.rows, max(0, SCAN_CHUNK - len(ops))):
+        if docids and not self.index.array:
+            return _document_rows(docids, olds, news, snapshots)
+        # An array index (entries per document differ by set), or a snapshot's entries.
+        inserts: list[bool] = []
+        keys: list[bytes] = []
+        ids: list[bytes] = []
+        names: list[str] = []
+        if docids:
+            documents = ChangeBlock(0, 0, range(len(docids)), docids, olds, news)
+            for at, docid, gone, came in document_changes(self.index, documents):
+                for key in gone:
+                    inserts.append(False)
+                    keys.append(key)
+                    ids.append(docid)
+                    names.append(snapshots[at])
+                for key in came:
+                    inserts.append(True)
+                    keys.append(key)
+                    ids.append(docid)
+                    names.append(snapshots[at])
+        for op, key, docid, mark in islice(self.rows, max(0, SCAN_CHUNK - len(keys))):
             if mark != last_mark:
                 last_mark, name = mark, f"{self.history_id}.{mark}"
-            ops.append(op)
+            inserts.append(op == "insert")
             keys.append(key)
-            docids.append(docid.decode("utf-8", errors="replace"))
-            snapshots.append(name)
-        count, desc = self.count, self.desc
-        values = {key: decode_key(key, count, desc=desc)[0] for key in set(keys)}
-        self.sent += len(ops)
-        return ops, keys, docids, snapshots, values
+            ids.append(docid)
+            names.append(name)
+        if not keys and not docids:
+            return None
+        return _Chunk(
+            np.array(inserts, dtype=bool),
+            pa.array(keys, pa.binary()),
+            pa.array(ids, pa.binary()),
+            pa.array(names, pa.string()),
+        )
+
+    def _values(self, key: bytes) -> list[Any]:
+        """The decoded values of an encoded key (kept for the next chunks, up to a bound)."""
+        values = self._decoded.get(key)
+        if values is None:
+            if len(self._decoded) >= DECODED_KEYS_KEPT:
+                self._decoded.clear()
+            values = self._decoded[key] = decode_key(key, self.count, desc=self.desc)[0]
+        return values
 
     def ndjson(self) -> bytes | None:
-        ops, keys, docids, snapshots, values = self._next()
-        if not ops:
+        chunk = self._next()
+        while chunk is not None and not len(chunk.keys):
+            chunk = self._next()  # records of documents whose entries did not change
+        if chunk is None:
             return None
+        self.sent += len(chunk.keys)
         lines = []
-        for op, key, docid, mark in zip(ops, keys, docids, snapshots, strict=True):
-            row = {"op": op, **Row(values[key], docid).as_json(), "snapshot": mark}
+        for insert, key, docid, mark in zip(
+            chunk.inserts.tolist(),
+            chunk.keys.to_pylist(),
+            _docid_texts(chunk.docids).to_pylist(),
+            chunk.snapshots.to_pylist(),
+            strict=True,
+        ):
+            op = "insert" if insert else "delete"
+            row = {"op": op, **Row(self._values(key), docid).as_json(), "snapshot": mark}
             lines.append(json_encode(row) + "\n")
         return "".join(lines).encode()
 
     def arrow(self, schema: pa.Schema, kinds: Sequence[str], writer: Any) -> bool:
-        ops, keys, docids, snapshots, values = self._next()
-        if not ops:
+        chunk = self._next()
+        while chunk is not None and not len(chunk.keys):
+            chunk = self._next()
+        if chunk is None:
             return False
-        # Each key's column values, converted once.
-        converted = {
-            key: [column_value(kind, v) for kind, v in zip(kinds, found, strict=True)]
-            for key, found in values.items()
-        }
-        columns = [pa.array(ops, pa.string())]
+        self.sent += len(chunk.keys)
+        # Each distinct key's column values, converted once per answer; then taken per row.
+        encoded = chunk.keys.dictionary_encode()
+        converted = self._converted
+        if len(converted) >= DECODED_KEYS_KEPT:
+            converted.clear()
+        distinct = []
+        for key in encoded.dictionary.to_pylist():
+            values = converted.get(key)
+            if values is None:
+                found = self._values(key)
+                values = converted[key] = [
+                    column_value(kind, v) for kind, v in zip(kinds, found, strict=True)
+                ]
+            distinct.append(values)
+        columns = [OPS.take(pa.array(chunk.inserts.astype(np.int8)))]
         for j, kind in enumerate(kinds):
-            columns.append(pa.array([converted[k][j] for k in keys], COLUMN_KINDS[kind]))
-        columns.append(pa.array(docids, pa.string()))
-        columns.append(pa.array(snapshots, pa.string()))
+            values = pa.array([found[j] for found in distinct], COLUMN_KINDS[kind])
+            columns.append(values.take(encoded.indices))
+        columns.append(_docid_texts(chunk.docids))
+        columns.append(chunk.snapshots)
         writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
         return True
+
+
+def _docid_texts(docids: pa.BinaryArray) -> pa.StringArray:
+    """Docids as text (bytes that are not UTF-8 replaced, as a JSON answer must)."""
+    try:
+        return docids.cast(pa.string())
+    except pa.ArrowInvalid:
+        texts = [d.decode("utf-8", errors="replace") for d in docids.to_pylist()]
+        return pa.array(texts, pa.string())
 
 
 def _snapshot_rows(
@@ -265,7 +367,7 @@ class ChangeRoutes(ScanRoutes):
             if "until" not in query:
                 until = latest.number
         source = self.view.store.snapshot()
-        records: Iterator[ChangeRecord] = iter(())
+        records: Iterator[ChangeBlock] = iter(())
         try:
             try:
                 if token_only:
