@@ -2,7 +2,12 @@
 until a persisted snapshot covers everything; beside the daemon's own intake and PostgreSQL.
 
     python bench/pipeline.py [--documents N] [--keys K] [--seed S] [--skip-postgres]
-                             [--timeout S] [--keep] [--history-rounds R]
+                             [--timeout S] [--keep] [--history-rounds R] [--profile DIR]
+
+With --profile DIR it runs only the one-node layout, with py-spy (the bench extra) sampling
+the router and the daemon at 250 Hz into DIR (raw stacks), and prints each one's CPU per
+document per stage (bench/stages.py: a stage is the project's module that the CPU was spent
+in or called a library from).
 
 With --history-rounds R it runs only the one-node layout, with the change history
 (`changes.history`, the default) and without it, R rounds each interleaved: what the history
@@ -50,6 +55,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +85,7 @@ from common import (  # bench/common.py: run as `python bench/...`
 )
 from ingest import measure_e2e
 from router import SAMPLE_S, start_router
+from stages import read_samples, stages, table
 
 from indexer.config import Config, parse_config
 from indexer.keys import MISSING, field_value
@@ -91,6 +98,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 DELETE_RATIO = 0.1
 POLL_S = 0.05
+PROFILE_RATE = 250  # py-spy samples per second with --profile
 WRITE_CHUNK = 10_000  # lines per write of the input file
 PG_BATCH = 10_000  # input lines per PostgreSQL transaction
 MIB = 1 << 20
@@ -254,19 +262,28 @@ def entries_match(layout: str, entries: Sequence[dict[str, int]], model: dict[st
     return {name: sum(e.get(name, 0) for e in entries) for name in model} == model
 
 
-def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict[str, Any]:
-    """Daemons up, then the router from the JSONL file until every daemon persisted all."""
+def pipeline_run(
+    layout: str, workdir: Path, inp: Input, timeout: float, profile: Path | None = None
+) -> dict[str, Any]:
+    """Daemons up, then the router from the JSONL file until every daemon persisted all;
+    with `profile`, py-spy samples the router and each daemon into files there."""
     run_dir = workdir / f"pipeline-{layout}"
     nodes: list[Node] = []
     router: Router | None = None
+    spies: list[Profiler] = []
     client = httpx.Client(timeout=30)
     try:
         nodes, cluster_map = start_nodes(layout, run_dir, inp)
         for node in nodes:
             node.cpu_before = node.daemon.cpu()
+            if profile is not None:
+                assert node.daemon.proc is not None
+                spies.append(Profiler(node.daemon.proc.pid, profile / f"daemon-{node.name}.txt"))
         targets = [] if cluster_map else [node.daemon.address for node in nodes]
         shards = int(layout.split("_shards")[1]) if "_shards" in layout else 1
         router = start_router(run_dir, inp.path, targets, cluster_map=cluster_map, shards=shards)
+        if profile is not None:
+            spies.append(Profiler(router.proc.pid, profile / "router.txt"))
         started = router.started
         peak = RssSampler(router.proc.pid, SAMPLE_S)
         peak.start()
@@ -287,6 +304,8 @@ def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict
         shard_cpu = [sum(tree_cpu(child)) for child in router.process.children()]
         daemon_cpu = [sum(node.daemon.cpu()) - sum(node.cpu_before) for node in nodes]
         stats = router.stats()
+        for spy in spies:
+            spy.stop()
         entries = [index_entries(client, node) for node in nodes]
         peak_rss = peak.stop()
         router.stop_cleanly()
@@ -294,10 +313,13 @@ def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict
             node.daemon.stop_cleanly()  # exit 0 and "stopped cleanly", or it raises
     finally:
         client.close()
+        for spy in spies:
+            spy.stop()
         if router is not None:
             router.kill()
         for node in nodes:
             node.daemon.kill()
+    profiles = [str(spy.out) for spy in spies]  # the daemons', then the router's
     high = stats["source"]["high_seqno_sum"]
     if high != inp.documents:
         raise RuntimeError(f"the router's high seqno sum is {high}, not {inp.documents}")
@@ -332,6 +354,7 @@ def pipeline_run(layout: str, workdir: Path, inp: Input, timeout: float) -> dict
         "cursors_dropped": stats["mutation_manager"]["cursors_dropped"],
         "entries": entries,
         "entries_match_model": entries_match(layout, entries, inp.entries),
+        **({"profiles": profiles} if profiles else {}),
     }
 
 
@@ -532,6 +555,65 @@ def check(ok: bool, text: str) -> None:
     say(("check: " if ok else "WARNING: ") + text)
 
 
+class Profiler:
+    """py-spy sampling one process until `stop` (SIGINT: it writes its raw stacks then)."""
+
+    def __init__(self, pid: int, out: Path) -> None:
+        spy = Path(sys.executable).parent / "py-spy"
+        if not spy.exists():
+            raise SystemExit("error: --profile needs py-spy: pip install py-spy (the bench extra)")
+        self.out = out
+        self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [
+                str(spy),
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                str(PROFILE_RATE),
+                "--format",
+                "raw",
+                "--nonblocking",
+                "--output",
+                str(out),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+def profile_run(opts: argparse.Namespace, workdir: Path, inp: Input) -> dict[str, Any]:
+    """--profile DIR: the one-node pipeline with py-spy on the router and the daemon; CPU per
+    document per stage of each (bench/stages.py), printed and returned."""
+    opts.profile.mkdir(parents=True, exist_ok=True)
+    result = pipeline_run("1", workdir, inp, opts.timeout, profile=opts.profile)
+    report_run(result)
+    found: dict[str, Any] = {"run": result}
+    cpu = {"router": result["router_cpu_s"], "daemon": result["daemon_cpu_s"][0]}
+    daemon_profile, router_profile = result["profiles"]
+    for name, path in (("router", router_profile), ("daemon", daemon_profile)):
+        with Path(path).open() as f:
+            counts = read_samples(f, opts.profile_depth)
+        found[name] = [
+            {"stage": s.name, "us_per_doc": round(s.us_per_document, 2), "share": round(s.share, 4)}
+            for s in stages(counts, cpu[name], inp.documents)
+        ]
+        say(f"{name}: {cpu[name]:.1f} s CPU, {cpu[name] / inp.documents * 1e6:.1f} µs/document")
+        say(table(stages(counts, cpu[name], inp.documents)))
+    return found
+
+
 def history_cost(opts: argparse.Namespace, workdir: Path, inp: Input) -> dict[str, Any]:
     """--history-rounds R: one node with and without the change history, R rounds each,
     interleaved (so drift falls on both); the medians and their ratios."""
@@ -582,6 +664,8 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     )
     if opts.history_rounds:
         return history_cost(opts, workdir, inp)
+    if opts.profile is not None:
+        return profile_run(opts, workdir, inp)
     runs: dict[str, dict[str, Any]] = {}
     for layout in LAYOUTS:
         runs[layout] = pipeline_run(layout, workdir, inp, opts.timeout)
@@ -674,6 +758,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0,
         metavar="R",
         help="only one node, with and without the change history, R interleaved rounds each",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="only one node, with py-spy sampling the router and the daemon into DIR; "
+        "prints CPU per document per stage",
+    )
+    parser.add_argument(
+        "--profile-depth", type=int, default=0, help="with --profile, 1: stages per function"
     )
     opts = parser.parse_args(argv)
     if opts.keys is None:
