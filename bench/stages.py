@@ -7,7 +7,9 @@ root first, frames as `function (path:line)`, then the number of samples. Each s
 charged to the innermost frame of the project's own code (a module of indexer/, workers/ or
 slab/): the C and library code it calls (orjson, plyvel, the socket) counts for the module
 that called it, so a stage is a module with what it asks of libraries. Samples without a
-project frame (trio's scheduler, the interpreter between tasks) are "runtime". A stage's CPU
+project frame, or whose innermost one only started trio's scheduler (the samples of the
+scheduler itself, between tasks: `trio.run` called from the command's entry point), are
+"runtime". A stage's CPU
 per document is its share of the samples times the process's CPU seconds over N.
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 PACKAGES = ("indexer", "workers", "slab")
 RUNTIME = "runtime"
+SCHEDULER = ("run", "unrolled_run", "start_guest_run")  # trio's, in trio/_core/_run.py
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<path>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 
@@ -45,15 +48,30 @@ def module_of(path: str) -> str | None:
     return None
 
 
+def _in_scheduler(frames: Sequence[str]) -> bool:
+    """Whether frames (those inside the innermost project frame) are trio's scheduler."""
+    for frame in frames:
+        match = _FRAME.match(frame)
+        if (
+            match is not None
+            and match["function"] in SCHEDULER
+            and match["path"].replace("\\", "/").endswith("trio/_core/_run.py")
+        ):
+            return True
+    return False
+
+
 def stage_of(stack: Sequence[str], depth: int = 0) -> str:
     """The stage a sample's stack (root first) is charged to: its innermost project module,
     with the function when `depth` > 0 (module:function)."""
-    for frame in reversed(stack):
-        match = _FRAME.match(frame)
+    for at in range(len(stack) - 1, -1, -1):
+        match = _FRAME.match(stack[at])
         if match is None:
             continue
         module = module_of(match["path"])
         if module is not None:
+            if _in_scheduler(stack[at + 1 :]):
+                return RUNTIME
             return f"{module}:{match['function']}" if depth else module
     return RUNTIME
 
