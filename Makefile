@@ -4,14 +4,25 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench check-python check-java check-postgres clean fuzz
+.PHONY: demo test lint bench check-python check-java check-postgres clean fuzz compiled
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory check-python
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet --upgrade pip 'setuptools>=77.0.3'
 	$(BIN)/pip install --quiet -e '.[test,spark]'
 	touch $(STAMP)
+
+# The hot modules compiled with mypyc (scripts/compile.py), in place beside their sources; again
+# whenever one of them changes. Needs a C compiler: the build says so in one line if there is none.
+COMPILED_STAMP := $(VENV)/.compiled
+COMPILED_SOURCES := $(shell $(PYTHON) scripts/compile.py --list)
+
+$(COMPILED_STAMP): $(STAMP) scripts/compile.py $(COMPILED_SOURCES)
+	$(BIN)/python scripts/compile.py
+	touch $(COMPILED_STAMP)
+
+compiled: $(COMPILED_STAMP)
 
 check-python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -34,10 +45,10 @@ check-java:
 	  echo "       install a JDK (for example: apt-get install openjdk-17-jre-headless)" >&2; \
 	  exit 1; }
 
-demo: $(STAMP) check-java
+demo: $(STAMP) $(COMPILED_STAMP) check-java
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) check-java check-postgres lint
+test: $(STAMP) $(COMPILED_STAMP) check-java check-postgres lint
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
@@ -58,7 +69,8 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/report.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	$(PYTHON) scripts/compile.py --clean
+	rm -rf $(VENV) build data .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # The frame decoder's coverage-guided fuzz target (fuzz/README.md) for FUZZ_SECONDS.
 FUZZ_SECONDS ?= 60

@@ -93,6 +93,7 @@ _ALL_BITS: Final = (1 << 64) - 1
 _EXACT_LIMIT: Final = 1 << 53  # every int with abs <= 2**53 is exactly a double
 _INT_LIMIT: Final = 1 << 1023  # larger ints are accepted only if they are exactly a double
 _MAX_FIELDS: Final = 0xFFFF_FFFF
+MAX_NESTING: Final = 256  # arrays and objects within a key value (documents: 128 at most)
 _INVERT: Final = bytes(range(255, -1, -1))
 _STRING_END: Final = b"\x00\x00"
 _ESCAPED_ZERO: Final = b"\x00\xff"
@@ -160,7 +161,7 @@ def _encode_str(s: str, out: bytearray) -> None:
     out += _STRING_END
 
 
-def _encode_dict(obj: dict[Any, Any], out: bytearray) -> None:
+def _encode_dict(obj: dict[Any, Any], out: bytearray, depth: int) -> None:
     """Append an object: field count, then key/value pairs in key order, then the terminator."""
     count = len(obj)
     if count > _MAX_FIELDS:
@@ -173,12 +174,15 @@ def _encode_dict(obj: dict[Any, Any], out: bytearray) -> None:
     # str order is code point order, which is the order of the UTF-8 bytes.
     for k in sorted(obj):
         _encode_str(k, out)
-        _encode(obj[k], out)
+        _encode(obj[k], out, depth + 1)
     out.append(_END)
 
 
-def _encode(value: Any, out: bytearray) -> None:
-    """Append the encoding of a JSON value (never MISSING) to out."""
+def _encode(value: Any, out: bytearray, depth: int = 0) -> None:
+    """Append the encoding of a JSON value (never MISSING) to out, `depth` arrays and objects
+    deep (a limit of its own: compiled, deep recursion would overflow the C stack)."""
+    if depth > MAX_NESTING:
+        raise KeyEncodingError("value is nested too deeply")
     t = type(value)
     if t is str:
         _encode_str(value, out)
@@ -193,15 +197,15 @@ def _encode(value: Any, out: bytearray) -> None:
     elif t is list or t is tuple:
         out.append(_T_ARRAY)
         for item in value:
-            _encode(item, out)
+            _encode(item, out, depth + 1)
         out.append(_END)
     elif t is dict:
-        _encode_dict(value, out)
+        _encode_dict(value, out, depth)
     else:
-        _encode_other(value, out)
+        _encode_other(value, out, depth)
 
 
-def _encode_other(value: Any, out: bytearray) -> None:
+def _encode_other(value: Any, out: bytearray, depth: int) -> None:
     """Encode subclasses of the JSON types (bool before int: bool is not a number)."""
     if value is MISSING:
         raise KeyEncodingError("MISSING can only be a component of a composite key")
@@ -214,9 +218,9 @@ def _encode_other(value: Any, out: bytearray) -> None:
     elif isinstance(value, str):
         _encode_str(str(value), out)
     elif isinstance(value, list | tuple):
-        _encode(list(value), out)
+        _encode(list(value), out, depth)
     elif isinstance(value, dict):
-        _encode_dict(value, out)
+        _encode_dict(value, out, depth)
     else:
         raise KeyEncodingError(f"not a JSON value: {type(value).__name__}")
 
@@ -337,8 +341,11 @@ def _decode_number(data: bytes, pos: int) -> tuple[int | float, int]:
     return x, pos + length
 
 
-def _decode(data: bytes, pos: int) -> tuple[Any, int]:
-    """Decode the value whose type byte is at pos; MISSING is returned as MISSING."""
+def _decode(data: bytes, pos: int, depth: int = 0) -> tuple[Any, int]:
+    """Decode the value whose type byte is at pos, `depth` arrays and objects deep; MISSING is
+    returned as MISSING."""
+    if depth > MAX_NESTING:
+        raise KeyEncodingError("encoding is nested too deeply")
     if pos >= len(data):
         raise _truncated()
     t = data[pos]
@@ -364,7 +371,7 @@ def _decode(data: bytes, pos: int) -> tuple[Any, int]:
                 return items, pos + 1
             if data[pos] == _T_MISSING:
                 raise KeyEncodingError("MISSING inside an array")
-            item, pos = _decode(data, pos)
+            item, pos = _decode(data, pos, depth + 1)
             items.append(item)
     if t == _T_OBJECT:
         if pos + 4 > len(data):
@@ -384,7 +391,7 @@ def _decode(data: bytes, pos: int) -> tuple[Any, int]:
             previous = key
             if pos < len(data) and data[pos] == _T_MISSING:
                 raise KeyEncodingError("MISSING inside an object")
-            obj[key], pos = _decode(data, pos)
+            obj[key], pos = _decode(data, pos, depth + 1)
         if pos >= len(data):
             raise _truncated()
         if data[pos] != _END:

@@ -1,0 +1,123 @@
+"""Compile the hot modules with mypyc, in place: beside each source, an extension module of the
+same name, which Python imports before the source. The code stays the Python it is (typed,
+checked by mypy); without the extension modules it runs as it is, slower.
+
+    python scripts/compile.py            # build (make does this: `make compiled`)
+    python scripts/compile.py --clean    # remove them: the pure-Python modules run again
+    python scripts/compile.py --list     # the modules, one per line
+    python scripts/compile.py --check    # exit 1 if one is older than its source
+
+A C compiler is needed (cc, or $CC): the build stops with one line if there is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Where bench/pipeline.py --profile puts the CPU per document (docs/performance.md): the key
+# codec, the record and frame codecs, the router's Mutation Manager and source log, the flush's
+# per-mutation loop, the slab pool and ring.
+COMPILED = (
+    "indexer/keys.py",
+    "indexer/protocol.py",
+    "indexer/router/source/mutations.py",
+    "indexer/router/source/log.py",
+    "indexer/router/streams/records.py",
+    "workers/flush.py",
+    "slab/pool.py",
+    "slab/ring.py",
+)
+GROUP = "indexer_hot"  # the shared library of the group: <GROUP>__mypyc.<suffix>
+
+
+def suffix() -> str:
+    return str(sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+def built(source: str) -> Path:
+    return ROOT / (source.removesuffix(".py") + suffix())
+
+
+def shared_library() -> Path:
+    return ROOT / f"{GROUP}__mypyc{suffix()}"
+
+
+def stale() -> list[str]:
+    """The compiled modules older than their sources (their edits would not run)."""
+    return [
+        source
+        for source in COMPILED
+        if built(source).exists()
+        and built(source).stat().st_mtime < (ROOT / source).stat().st_mtime
+    ]
+
+
+def clean() -> None:
+    for path in [*(built(source) for source in COMPILED), shared_library()]:
+        path.unlink(missing_ok=True)
+
+
+def compiler() -> str | None:
+    name = os.environ.get("CC", "cc").split()[0]
+    return shutil.which(name) or shutil.which("gcc")
+
+
+def build() -> int:
+    if compiler() is None:
+        print(
+            "error: no C compiler (cc) to compile the hot modules with mypyc: install one "
+            "(Debian: apt-get install gcc), or run the pure-Python modules as they are",
+            file=sys.stderr,
+        )
+        return 1
+    from mypyc.build import mypycify
+    from setuptools import setup
+
+    os.chdir(ROOT)
+    clean()  # a module left out of the group must not keep an old build
+    setup(
+        name="indexer-compiled",
+        ext_modules=mypycify(list(COMPILED), opt_level="3", group_name=GROUP),
+        script_args=["--quiet", "build_ext", "--inplace", "--build-temp", "build/mypyc"],
+    )
+    missing = [source for source in COMPILED if not built(source).exists()]
+    if missing:
+        print(f"error: mypyc built no extension for {', '.join(missing)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--clean", action="store_true")
+    action.add_argument("--list", action="store_true")
+    action.add_argument("--check", action="store_true")
+    opts = parser.parse_args(argv)
+    if opts.clean:
+        clean()
+        return 0
+    if opts.list:
+        print("\n".join(COMPILED))
+        return 0
+    if opts.check:
+        old = stale()
+        if old:
+            print(
+                f"error: compiled modules older than their sources ({', '.join(old)}): "
+                "run make compiled (or python scripts/compile.py --clean)",
+                file=sys.stderr,
+            )
+        return 1 if old else 0
+    return build()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
