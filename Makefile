@@ -48,8 +48,11 @@ check-java:
 demo: $(STAMP) $(COMPILED_STAMP) check-java
 	$(BIN)/python scripts/demo.py
 
+# Three processes, a test file each at a time (a file's tests share its SparkSession or
+# server): most tests wait on daemons, routers and fsyncs more than they compute.
+TEST_PROCESSES ?= 3
 test: $(STAMP) $(COMPILED_STAMP) check-java check-postgres lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -34,7 +34,9 @@ COMPILED = (
     "slab/pool.py",
     "slab/ring.py",
 )
-GROUP = "indexer_hot"  # the shared library of the group: <GROUP>__mypyc.<suffix>
+# The group's shared library, inside the package (indexer/hot__mypyc.<suffix>): importable
+# wherever the package is, whatever the working directory (the console scripts, Spark's workers).
+GROUP = "indexer.hot"
 
 
 def suffix() -> str:
@@ -46,7 +48,7 @@ def built(source: str) -> Path:
 
 
 def shared_library() -> Path:
-    return ROOT / f"{GROUP}__mypyc{suffix()}"
+    return ROOT / (GROUP.replace(".", "/") + f"__mypyc{suffix()}")
 
 
 def stale() -> list[str]:
@@ -62,6 +64,7 @@ def stale() -> list[str]:
 def clean() -> None:
     for path in [*(built(source) for source in COMPILED), shared_library()]:
         path.unlink(missing_ok=True)
+    (ROOT / f"indexer_hot__mypyc{suffix()}").unlink(missing_ok=True)  # where an older build put it
 
 
 def compiler() -> str | None:
