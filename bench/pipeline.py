@@ -80,6 +80,7 @@ from common import (  # bench/common.py: run as `python bench/...`
     jsonl_lines,
     ratio,
     say,
+    stop_process,
     tree_cpu,
     write_cluster_map,
 )
@@ -582,15 +583,9 @@ class Profiler:
         )
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGINT, 60)
+            self.proc = None
 
 
 def profile_run(opts: argparse.Namespace, workdir: Path, inp: Input) -> dict[str, Any]:

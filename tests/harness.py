@@ -637,13 +637,8 @@ class Postgres:
 
     def stop(self) -> None:
         """Fast shutdown (SIGINT); remove the directory unless kept."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGINT, 60)
         if self.keep:
             print(f"kept: {self.dir}", file=sys.stderr)
         else:

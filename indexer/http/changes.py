@@ -214,8 +214,8 @@ class ChangeRows:
         distinct = []
         for key in encoded.dictionary.to_pylist():
             values = converted.get(key)
-            if values is None:
-                found = self._values(key)
+            if values is None:  # an answer is Arrow or NDJSON: `_decoded` stays unused here
+                found = decode_key(key, self.count, desc=self.desc)[0]
                 values = converted[key] = [
                     column_value(kind, v) for kind, v in zip(kinds, found, strict=True)
                 ]
