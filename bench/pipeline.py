@@ -3,6 +3,7 @@ until a persisted snapshot covers everything; beside the daemon's own intake and
 
     python bench/pipeline.py [--documents N] [--keys K] [--seed S] [--skip-postgres]
                              [--timeout S] [--keep] [--history-rounds R] [--profile DIR]
+                             [--against TREE [--rounds R]]
 
 With --profile DIR it runs only the one-node layout, with py-spy (the bench extra) sampling
 the router and the daemon at 250 Hz into DIR (raw stacks), and prints each one's CPU per
@@ -12,6 +13,11 @@ in or called a library from).
 With --history-rounds R it runs only the one-node layout, with the change history
 (`changes.history`, the default) and without it, R rounds each interleaved: what the history
 costs the whole path from JSONL to persisted.
+
+With --against TREE it runs only the one-node layout, from this checkout and from TREE (another
+checkout, say `git worktree add TREE COMMIT`, its modules compiled as its Makefile does), R
+rounds each interleaved (default 3): the CPU per document of both in one sitting, so that
+drift falls on both. Both read the same input file.
 
 Everything runs as subprocesses on 127.0.0.1, in a temporary directory removed at the end unless
 --keep is given.
@@ -645,6 +651,58 @@ def history_cost(opts: argparse.Namespace, workdir: Path, inp: Input) -> dict[st
     return summary
 
 
+def compare_trees(opts: argparse.Namespace, workdir: Path, inp: Input) -> dict[str, Any]:
+    """--against TREE: one node from this checkout and from TREE, R rounds each, interleaved;
+    the medians and the ratios of this checkout's figures to TREE's."""
+    trees = {"this": Path(__file__).resolve().parent.parent, "against": opts.against.resolve()}
+    if not (trees["against"] / "indexer" / "__main__.py").exists():
+        raise SystemExit(f"error: --against {opts.against}: not a checkout of the project")
+    found: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    keys = ("per_s", "router_cpu_us_per_doc", "daemon_cpu_us_per_doc")
+    before, here = os.environ.get("PYTHONPATH"), Path.cwd()
+    # `python -m indexer` looks in its working directory first: none of the checkouts.
+    os.chdir(workdir)
+    try:
+        for round_ in range(opts.rounds):
+            for name in trees if round_ % 2 == 0 else reversed(list(trees)):
+                os.environ["PYTHONPATH"] = str(trees[name])
+                result = pipeline_run("1", workdir / f"{name}{round_}", inp, opts.timeout)
+                say(f"{name} ({trees[name]}), round {round_ + 1}:")
+                report_run(result)
+                found[name].append(result)
+    finally:
+        os.chdir(here)
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
+
+    def median(name: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in found[name]))
+
+    summary: dict[str, Any] = {"documents": inp.documents, "rounds": opts.rounds}
+    summary.update({name: str(tree) for name, tree in trees.items()})
+    for key in keys:
+        summary[key] = {name: [r[key] for r in runs] for name, runs in found.items()}
+        summary[f"{key}_this_vs_against"] = ratio(median("this", key), median("against", key))
+    cpu = {
+        name: median(name, "router_cpu_us_per_doc") + median(name, "daemon_cpu_us_per_doc")
+        for name in trees
+    }
+    summary["cpu_us_per_doc"] = cpu
+    summary["cpu_this_vs_against"] = ratio(cpu["this"], cpu["against"])
+    summary["entries_match_model"] = all(
+        r["entries_match_model"] for rs in found.values() for r in rs
+    )
+    say(
+        f"this checkout: {summary['per_s_this_vs_against']}x the documents/s and "
+        f"{summary['cpu_this_vs_against']}x the CPU per document (router + daemon, "
+        f"{cpu['this']:.1f} against {cpu['against']:.1f} us) of {trees['against']} "
+        f"(medians of {opts.rounds} interleaved rounds)"
+    )
+    return summary
+
+
 def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Input, the three pipeline runs, the ceiling, PostgreSQL; the JSON summary."""
     config = parse_config()
@@ -661,6 +719,8 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         return history_cost(opts, workdir, inp)
     if opts.profile is not None:
         return profile_run(opts, workdir, inp)
+    if opts.against is not None:
+        return compare_trees(opts, workdir, inp)
     runs: dict[str, dict[str, Any]] = {}
     for layout in LAYOUTS:
         runs[layout] = pipeline_run(layout, workdir, inp, opts.timeout)
@@ -764,7 +824,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--profile-depth", type=int, default=0, help="with --profile, 1: stages per function"
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        metavar="TREE",
+        help="only one node, from this checkout and from TREE (another checkout), interleaved",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --against (default 3)")
     opts = parser.parse_args(argv)
+    if opts.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if opts.keys is None:
         opts.keys = max(1, opts.documents // 5)
     if opts.documents < 1 or opts.keys < 1:

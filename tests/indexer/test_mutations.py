@@ -61,18 +61,13 @@ def check_structure(mm: MutationManager) -> None:
             live = [e for e in s.entries if e is not None]
             assert len(s.seqnos) == len(s.entries)
             assert list(s.seqnos) == sorted(set(s.seqnos))
-            assert {item.docid: i for i, e in enumerate(s.entries) if e for item in [e[0]]} == (
-                s.latest
-            )
+            assert {item.docid: i for i, item in enumerate(s.entries) if item} == s.latest
             assert len(live) == len(s.latest), "one live item per docid in a snapshot"
-            assert all(s.start <= item.seqno <= s.end for item, _ in live)
+            assert all(s.start <= item.seqno <= s.end for item in live)
             if s.closed or live:
-                assert live and live[-1][0].seqno == s.end, "the end item is always there"
-            cost = sum(c for _, c in live)
+                assert live and live[-1].seqno == s.end, "the end item is always there"
+            cost = sum(len(i.docid) + len(i.payload or b"") + mm.item_overhead for i in live)
             assert cost == s.bytes
-            for item, c in live:
-                size = len(item.docid) + len(item.payload or b"") + mm.item_overhead
-                assert c == size
             vb_bytes += cost
             skipped = len(s.entries) - len(live)
             assert skipped < 16 or skipped <= len(live), "skipped slots are compacted"
@@ -765,3 +760,23 @@ MutationMachine.TestCase.settings = settings(
     phases=[phase for phase in Phase if phase is not Phase.explain],  # slow on failures here
 )
 TestMutationMachine = MutationMachine.TestCase
+
+
+def test_the_cap_counts_what_items_take_in_memory() -> None:
+    """`memory` is close to what the held items really take (tracemalloc), so that the cap
+    bounds the router's memory and not a fraction of it."""
+    import tracemalloc
+
+    mm = MutationManager(BIG)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(50_000):
+            # Payloads and docids made here, as an append makes them from its input lines.
+            docid = b"doc%08d" % (i % 20_000)
+            payload = b'{"id":"%s","doc":{"age":%d,"city":"Oslo"}}' % (docid, i % 90)
+            mm.write(i % 64, i // 64 + 1, docid, None if i % 10 == 0 else payload)
+        real = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0.85 < mm.memory / real < 1.15, (mm.memory, real)

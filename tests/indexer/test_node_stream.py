@@ -222,17 +222,27 @@ def test_a_restart_ahead_of_the_log_is_refused(source: SourceLog) -> None:
 def test_recent_documents_are_bounded_forgotten_on_failover_and_change_nothing(
     source: SourceLog,
 ) -> None:
-    from indexer.router.source.recent import RecentDocuments
+    from indexer.router.source.mutations import Item
+    from indexer.router.source.recent import RECENT_APPENDS, RecentDocuments
 
     recent = RecentDocuments(capacity=3)
     recent.add([(0, 1), (0, 2)], [Document(f"d{i}", {"i": i}) for i in range(2)])
     recent.add([(1, 1), (1, 2)], [Document(f"d{i}", {"i": i}) for i in range(2, 4)])
-    assert recent.get(0, 1) is None and recent.get(1, 2) == Document("d3", {"i": 3})
+    # The older append stays while the others hold fewer than the capacity.
+    assert recent.get(0, 1) == Document("d0", {"i": 0})
+    assert recent.get(1, 2) == Document("d3", {"i": 3}) and recent.get(1, 3) is None
     recent.forget(1)
     assert recent.get(1, 1) is None and recent.get(0, 2) == Document("d1", {"i": 1})
     # The whole latest append stays, however big: the streams read it next.
     recent.add([(2, s) for s in range(1, 6)], [Document(f"e{i}", {"i": i}) for i in range(5)])
     assert recent.get(0, 2) is None and recent.get(2, 1) == Document("e0", {"i": 0})
+    items = [Item(s, b"", None) for s in (2, 4, 6)]
+    assert recent.documents(2, items) == [Document("e1", {"i": 1}), Document("e3", {"i": 3}), None]
+    # Appends of a document each: at most RECENT_APPENDS of them are looked through.
+    singles = RecentDocuments()
+    for seqno in range(1, RECENT_APPENDS + 2):
+        singles.add([(2, seqno)], [Document(f"f{seqno}", {})])
+    assert singles.get(2, 1) is None and singles.get(2, 2) == Document("f2", {})
     # Streams with and without the parsed documents at hand send the same frames.
     mm = MutationManager(capacity=1 << 30)
     recent = RecentDocuments()

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from indexer.router.documents import Document, DocumentError, parse_line
+from indexer.router.documents import Document, DocumentError, parse_line, quick_document
 from indexer.router.expiry import with_absolute_expiry
 
 
 def parse_numbered(number: int, raw: bytes, where: str) -> Document | None:
     """The document of one numbered line (None: a blank line); DocumentError says why not."""
+    stripped = raw.strip()
+    if not stripped:
+        return None
+    document = quick_document(stripped)
+    if document is not None:
+        return document
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

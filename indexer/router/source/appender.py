@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import trio
 
 from indexer.router.documents import Document, vbucket_of
-from indexer.router.expiry import with_absolute_expiry
+from indexer.router.expiry import EXPIRY_FIELD, with_absolute_expiry
 from indexer.router.source.log import SourceLog
 from indexer.router.source.mutations import MutationManager
 from indexer.router.source.recent import RecentDocuments
@@ -86,17 +86,16 @@ class Appender:
         positions, documents, payloads = await trio.to_thread.run_sync(
             self._append, documents, input_position
         )
-        write = self.mm.write
         self.recent.add(positions, documents)
-        for (vb, seqno), document, payload in zip(positions, documents, payloads, strict=True):
-            for backfill in write(vb, seqno, document.docid.encode(), payload):
-                self.dropped += 1
-                log.info(
-                    "%s fell behind on vbucket %d: it reads the source log from seqno %d",
-                    backfill.consumer,
-                    backfill.vbucket,
-                    backfill.after + 1,
-                )
+        docids = [document.docid.encode() for document in documents]
+        for backfill in self.mm.write_all(positions, docids, payloads):
+            self.dropped += 1
+            log.info(
+                "%s fell behind on vbucket %d: it reads the source log from seqno %d",
+                backfill.consumer,
+                backfill.vbucket,
+                backfill.after + 1,
+            )
         return positions
 
     def wake(self) -> None:
@@ -107,19 +106,15 @@ class Appender:
         self, documents: Sequence[Document], input_position: bytes | None
     ) -> tuple[list[tuple[int, int]], list[Document], list[bytes | None]]:
         """Append (blocking): each document's position, its stored form and its payload."""
-        n = self.source.num_vbuckets
         now = time.time()
         # Stored with an absolute `_exp`: the manager's payloads must match the log.
-        documents = [with_absolute_expiry(d, now) for d in documents]
-        highs: dict[int, int] = {}
-        positions = []
-        for document in documents:
-            vb = vbucket_of(document.docid.encode(), n)
-            seqno = highs.get(vb, self.source.high_seqno(vb)) + 1
-            highs[vb] = seqno
-            positions.append((vb, seqno))
+        documents = [
+            with_absolute_expiry(d, now) if d.body is not None and EXPIRY_FIELD in d.body else d
+            for d in documents
+        ]
+        positions: list[tuple[int, int]] = []
         encoded: list[bytes] = []
-        self.source.append(documents, now, encoded, input_position)
+        self.source.append(documents, now, encoded, input_position, positions)
         payloads = [
             None if d.body is None else value for d, value in zip(documents, encoded, strict=True)
         ]

@@ -38,7 +38,7 @@ from typing import Any
 
 from indexer.protocol import MAX_FAILOVER_ENTRIES
 from indexer.router.documents import Document, json_loads, vbucket_of
-from indexer.router.expiry import expiry_of, with_absolute_expiry
+from indexer.router.expiry import EXPIRY_FIELD, expiry_of, with_absolute_expiry
 from indexer.storage import ClosedLogs, open_leveldb, start_compaction_thread
 
 STATE_DIR = "source"
@@ -57,6 +57,7 @@ _EXPIRY = b"e"
 _PENDING = b"y"
 _TIME = struct.Struct(">Q")
 _KEY = struct.Struct(">HQ")
+_KEY_RECORD = struct.Struct(">BHQ")  # _RECORD, vbucket, seqno: `record_key` in one pack
 _MAX_SEQNO = (1 << 64) - 1
 # An append of up to 8 MiB of input fits LevelDB's memtable whole (its default is 4 MiB): fewer
 # level-0 files, so fewer compactions rewriting the log as it grows.
@@ -390,42 +391,57 @@ class SourceLog:
         now: float | None = None,
         encoded: list[bytes] | None = None,
         input_position: bytes | None = None,
+        positions: list[tuple[int, int]] | None = None,
     ) -> int:
         """Give each document the next seqno of its vbucket and store it; one synced batch.
 
         An `_exp` is stored as an absolute unix time (relative to `now`, default the clock), and
         the expiry index follows each document's latest version. `encoded`, if given, receives
-        each document's stored bytes. `input_position`, if given, is stored in the same batch
-        (a router shard's place in its parent's input: what it appended, and nothing more).
-        Returns how many documents were appended.
+        each document's stored bytes, and `positions` its (vbucket, seqno). `input_position`, if
+        given, is stored in the same batch (a router shard's place in its parent's input: what
+        it appended, and nothing more). Returns how many documents were appended.
         """
         changed: dict[int, _Vbucket] = {}
         pending: dict[str, int | None] = {}  # docid -> its new expiry (None: none any more)
+        expiring = self._pending  # docid -> expiry of the documents whose latest version has one
         count = 0
         n = self.num_vbuckets
         clock = time.time() if now is None else now
+        tracks_latest = self.tracks_latest
         # transaction: a document source failing half way (a bad input line) writes nothing.
         with self.db.write_batch(transaction=True, sync=True) as batch:
+            put = batch.put
             for document in documents:
-                document = with_absolute_expiry(document, clock)
-                vb = vbucket_of(document.docid.encode(), n)
+                body = document.body
+                timed = body is not None and EXPIRY_FIELD in body
+                if timed:
+                    document = with_absolute_expiry(document, clock)
+                docid = document.docid
+                key = docid.encode()
+                vb = vbucket_of(key, n)
                 state = changed.get(vb)
                 if state is None:
                     state = changed[vb] = self._copy(self._state(vb))
-                state.high += 1
+                seqno = state.high + 1
+                state.high = seqno
                 # An input line holds the document in the shape the log stores: kept as it is.
-                value = document.line if document.line is not None else encode_document(document)
-                batch.put(record_key(vb, state.high), value)
-                if self.tracks_latest:
-                    batch.put(_LATEST + document.docid.encode(), _SEQNO.pack(state.high))
+                line = document.line
+                value = line if line is not None else encode_document(document)
+                put(_KEY_RECORD.pack(ord(_RECORD), vb, seqno), value)
+                if tracks_latest:
+                    put(_LATEST + key, _SEQNO.pack(seqno))
                 if encoded is not None:
                     encoded.append(value)
-                self._track_expiry(batch, document, pending)
+                if positions is not None:
+                    positions.append((vb, seqno))
+                # Only a document with an expiry, now or in its previous version, moves the index.
+                if timed or docid in pending or docid in expiring:
+                    self._track_expiry(batch, document, pending)
                 count += 1
             for vb, state in changed.items():
-                batch.put(_VBUCKET + _VB.pack(vb), state.encode())
+                put(_VBUCKET + _VB.pack(vb), state.encode())
             if input_position is not None:
-                batch.put(_META_INPUT, input_position)
+                put(_META_INPUT, input_position)
         self._sync_closed_logs()
         self._vbuckets.update(changed)
         if input_position is not None:

@@ -32,13 +32,15 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import NamedTuple, cast
 
-DEFAULT_ITEM_OVERHEAD = 64
-"""Bytes charged per item on top of its docid and payload (the item, its slots, a dict entry)."""
+DEFAULT_ITEM_OVERHEAD = 240
+"""Bytes charged per item on top of its docid and payload: what an item takes in memory beyond
+them (the item, the docid's and payload's objects, its seqno, a slot, a dict entry), measured
+with tracemalloc on CPython 3.11 (tests/indexer/test_mutations.py holds the cap to it)."""
 
 _COMPACT_AT = 16
 """A snapshot drops its skipped slots once they are at least this many and outnumber its items."""
@@ -109,39 +111,50 @@ class MutationStats:
 
 
 class _Snapshot:
-    """One snapshot: items in seqno order, a skipped item's slot set to None (its skip flag)."""
+    """One snapshot: items in seqno order, a skipped item's slot set to None (its skip flag).
 
-    __slots__ = ("bytes", "closed", "end", "entries", "latest", "seqnos", "start")
+    An item's cost is len(docid) + len(payload) + `overhead`, worked out when needed rather
+    than held beside it (a tuple and an int per item would be a third of what an item takes).
+    """
 
-    def __init__(self, start: int) -> None:
+    __slots__ = ("bytes", "closed", "end", "entries", "latest", "overhead", "seqnos", "start")
+
+    def __init__(self, start: int, overhead: int) -> None:
         self.start = start
         self.end = start - 1  # empty: the range is start..start-1
-        self.entries: list[tuple[Item, int] | None] = []  # (item, its cost), None when skipped
+        self.overhead = overhead
+        self.entries: list[Item | None] = []  # None when skipped
         self.seqnos = array("Q")  # the seqno of every slot, skipped ones too: bisect by seqno
         self.latest: dict[bytes, int] = {}  # docid -> slot of its live item
         self.bytes = 0
         self.closed = False
 
-    def add(self, item: Item, cost: int) -> int:
+    def cost(self, item: Item) -> int:
+        payload = item.payload
+        return len(item.docid) + (0 if payload is None else len(payload)) + self.overhead
+
+    def add(self, item: Item) -> int:
         """Append a write, skipping the docid's older item here; returns the change in bytes."""
         freed = 0
         slot = self.latest.get(item.docid)
         if slot is not None:
             freed = self._skip(slot)
         self.latest[item.docid] = len(self.entries)
-        self.entries.append((item, cost))
+        self.entries.append(item)
         self.seqnos.append(item.seqno)
         self.end = item.seqno
+        cost = self.cost(item)
         self.bytes += cost
         self._maybe_compact()
         return cost - freed
 
     def _skip(self, slot: int) -> int:
-        entry = self.entries[slot]
-        assert entry is not None
+        item = self.entries[slot]
+        assert item is not None
         self.entries[slot] = None
-        self.bytes -= entry[1]
-        return entry[1]
+        cost = self.cost(item)
+        self.bytes -= cost
+        return cost
 
     def absorb(self, later: _Snapshot) -> int:
         """Collapse the next snapshot into this one, de-duplicating; returns the bytes freed."""
@@ -163,17 +176,17 @@ class _Snapshot:
     def trim(self, upto: int) -> tuple[int, int]:
         """Expel the items at or below `upto` (nobody needs them); returns (bytes, items)."""
         cut = bisect_right(self.seqnos, upto)
-        gone = [entry for entry in self.entries[:cut] if entry is not None]
+        gone = [item for item in self.entries[:cut] if item is not None]
         self._rebuild(islice(self.entries, cut, None))
         self.start = max(self.start, upto + 1)
-        freed = sum(cost for _, cost in gone)
+        freed = sum(self.cost(item) for item in gone)
         self.bytes -= freed
         return freed, len(gone)
 
     def view(self, vbucket: int, after: int) -> Snapshot:
         """The snapshot as read by a cursor at `after`: cut to the items above it."""
         first = bisect_right(self.seqnos, after)
-        items = tuple(entry[0] for entry in islice(self.entries, first, None) if entry is not None)
+        items = tuple(item for item in islice(self.entries, first, None) if item is not None)
         return Snapshot(vbucket, max(self.start, after + 1), self.end, items)
 
     def _maybe_compact(self) -> None:
@@ -181,11 +194,11 @@ class _Snapshot:
         if skipped >= _COMPACT_AT and skipped > len(self.latest):
             self._rebuild(self.entries)
 
-    def _rebuild(self, entries: Iterable[tuple[Item, int] | None]) -> None:
-        live = [entry for entry in entries if entry is not None]
-        self.entries = cast(list[tuple[Item, int] | None], live)
-        self.seqnos = array("Q", (item.seqno for item, _ in live))
-        self.latest = {item.docid: slot for slot, (item, _) in enumerate(live)}
+    def _rebuild(self, entries: Iterable[Item | None]) -> None:
+        live = [item for item in entries if item is not None]
+        self.entries = cast(list[Item | None], live)
+        self.seqnos = array("Q", [item.seqno for item in live])
+        self.latest = {item.docid: slot for slot, item in enumerate(live)}
 
 
 class _Cursor:
@@ -208,10 +221,10 @@ class _Vbucket:
 
     __slots__ = ("bytes", "cursors", "high", "kept", "number", "snapshots")
 
-    def __init__(self, number: int, high: int) -> None:
+    def __init__(self, number: int, high: int, overhead: int) -> None:
         self.number = number
         self.high = high
-        self.snapshots = [_Snapshot(high + 1)]
+        self.snapshots = [_Snapshot(high + 1, overhead)]
         self.cursors: dict[str, _Cursor] = {}
         self.kept: dict[str, int] = {}  # consumer -> the seqno it may resume from (`keep`)
         self.bytes = 0
@@ -331,9 +344,24 @@ class MutationManager:
                 break
         else:
             self._unpinned.add(vbucket)
-        cost = len(docid) + (0 if payload is None else len(payload)) + self.item_overhead
-        self._grow(vb, vb.snapshots[-1].add(Item(seqno, docid, payload), cost))
+        self._grow(vb, vb.snapshots[-1].add(Item(seqno, docid, payload)))
         return self._enforce() if self.memory > self.capacity else []
+
+    def write_all(
+        self,
+        positions: Sequence[tuple[int, int]],
+        docids: Sequence[bytes],
+        payloads: Sequence[bytes | None],
+    ) -> list[Backfill]:
+        """`write` of each (vbucket, seqno), docid and payload in turn (an append's batch);
+        every cursor dropped on the way."""
+        dropped: list[Backfill] = []
+        write = self.write
+        for (vbucket, seqno), docid, payload in zip(positions, docids, payloads, strict=True):
+            backfills = write(vbucket, seqno, docid, payload)
+            if backfills:
+                dropped.extend(backfills)
+        return dropped
 
     # ----------------------------------------------------------------------------------------
     # Cursors
@@ -379,7 +407,7 @@ class MutationManager:
                 break
             if not snapshot.closed:
                 snapshot.closed = True
-                snapshots.append(_Snapshot(vb.high + 1))
+                snapshots.append(_Snapshot(vb.high + 1, self.item_overhead))
             out.append(snapshot.view(vbucket, after))
             after = snapshot.end
             index += 1
@@ -467,7 +495,9 @@ class MutationManager:
         if vb is None:
             if vbucket < 0:
                 raise MutationError(f"vbucket {vbucket} is negative")
-            vb = self._vbuckets[vbucket] = _Vbucket(vbucket, self._highs.get(vbucket, 0))
+            vb = self._vbuckets[vbucket] = _Vbucket(
+                vbucket, self._highs.get(vbucket, 0), self.item_overhead
+            )
         return vb
 
     def _cursor(self, consumer: str, vbucket: int) -> tuple[_Vbucket, _Cursor]:

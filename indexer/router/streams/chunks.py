@@ -8,17 +8,16 @@ document once, at its latest version in the chunk's range.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import islice, takewhile
 from typing import TypeVar
 
-from indexer import protocol as p
 from indexer.router.documents import Document
 from indexer.router.source.log import SourceLog, decode_document
 from indexer.router.source.mutations import Backfill
-from indexer.router.streams.records import RecordEncoder
+from indexer.router.streams.records import snapshot_frames as snapshot_frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,35 +89,6 @@ def read_backfill_chunk(
     return BackfillChunk(
         vbucket, raw.start, raw.end, latest_documents(raw.versions), raw.last, raw.read
     )
-
-
-def snapshot_frames(
-    records: RecordEncoder,
-    batch_bytes: int,
-    batch_records: int,
-    vb: int,
-    start: int,
-    end: int,
-    versions: Sequence[tuple[int, Document]],
-) -> Iterator[tuple[list[bytes], int]]:
-    """(frames, items): SNAPSHOT_MARKER(start, end), then the versions in MUTATIONS frames of at
-    most `batch_records` records and `batch_bytes` bytes (pure)."""
-    frames = [p.encode(p.SnapshotMarker(vb, start, end))]
-    nkeys = records.nkeys
-    batch: list[bytes] = []
-    size = 0
-    for seqno, document in versions:
-        record = records.record(seqno, document)  # never over a frame
-        full = len(batch) >= batch_records or size + len(record) > batch_bytes
-        if batch and full:
-            frames.append(p.encode_mutations(vb, nkeys, batch))
-            yield frames, len(batch)
-            frames, batch, size = [], [], 0
-        batch.append(record)
-        size += len(record)
-    if batch:
-        frames.append(p.encode_mutations(vb, nkeys, batch))
-    yield frames, len(batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,7 +246,7 @@ class NodeCursors:
             key = (self.encoding, vb, self.source.vbuuid(vb), snapshot.start, snapshot.end)
             pieces = shared.get(key) if shared is not None else None
             if pieces is None:
-                versions = [(item.seqno, self._document(vb, item)) for item in snapshot.items]
+                versions = self._versions(vb, snapshot.items)
                 pieces = list(
                     snapshot_frames(
                         self.records,
@@ -276,10 +276,16 @@ class NodeCursors:
             self.sent += chunk.kept
             yield from self._begin(chunk.vbucket, chunk.pieces)
 
-    def _document(self, vb: int, item: Item) -> Document:
-        """The item's document: parsed at its append if still at hand, else from its payload."""
-        found = self.recent.get(vb, item.seqno) if self.recent is not None else None
-        return found if found is not None else document_of(item)
+    def _versions(self, vb: int, items: Sequence[Item]) -> list[tuple[int, Document]]:
+        """(seqno, document) of each item: parsed at its append if still at hand, else from
+        its payload."""
+        if self.recent is None:
+            return [(item.seqno, document_of(item)) for item in items]
+        found = self.recent.documents(vb, items)
+        return [
+            (item.seqno, document if document is not None else document_of(item))
+            for item, document in zip(items, found, strict=True)
+        ]
 
     def backfill_chunks(
         self, chunk: BackfillChunk | EncodedChunk

@@ -206,6 +206,37 @@ class RecordEncoder:
         )
 
 
+def snapshot_frames(
+    records: RecordEncoder,
+    batch_bytes: int,
+    batch_records: int,
+    vb: int,
+    start: int,
+    end: int,
+    versions: Sequence[tuple[int, Document]],
+) -> list[tuple[list[bytes], int]]:
+    """(frames, items): SNAPSHOT_MARKER(start, end), then the versions in MUTATIONS frames of at
+    most `batch_records` records and `batch_bytes` bytes (pure; here so that its loop over the
+    documents runs compiled)."""
+    pieces: list[tuple[list[bytes], int]] = []
+    frames = [p.encode(p.SnapshotMarker(vb, start, end))]
+    nkeys = records.nkeys
+    batch: list[bytes] = []
+    size = 0
+    for seqno, document in versions:
+        record = records.record(seqno, document)  # never over a frame
+        if batch and (len(batch) >= batch_records or size + len(record) > batch_bytes):
+            frames.append(p.encode_mutations(vb, nkeys, batch))
+            pieces.append((frames, len(batch)))
+            frames, batch, size = [], [], 0
+        batch.append(record)
+        size += len(record)
+    if batch:
+        frames.append(p.encode_mutations(vb, nkeys, batch))
+    pieces.append((frames, len(batch)))
+    return pieces
+
+
 class Batcher:
     """Records of each vbucket in, frames out (pure): a batch of up to `batch_records` records
     or `batch_bytes` bytes goes out as SNAPSHOT_MARKER(first, last) and one MUTATIONS frame,
