@@ -422,11 +422,9 @@ class SourceLog:
                 state = changed.get(vb)
                 if state is None:
                     state = changed[vb] = self._copy(self._state(vb))
-                seqno = state.high + 1
-                state.high = seqno
+                state.high = seqno = state.high + 1
                 # An input line holds the document in the shape the log stores: kept as it is.
-                line = document.line
-                value = line if line is not None else encode_document(document)
+                value = document.line if document.line is not None else encode_document(document)
                 put(_KEY_RECORD.pack(ord(_RECORD), vb, seqno), value)
                 if tracks_latest:
                     put(_LATEST + key, _SEQNO.pack(seqno))
