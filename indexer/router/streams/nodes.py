@@ -155,7 +155,8 @@ async def _keep_streaming(
                         build=build,
                         defer=defer,
                         recent=appender.recent,
-                        shared=nodes.frames,
+                        # One node has nobody to share its encoded snapshots with.
+                        shared=nodes.frames if len(nodes.progress) > 1 else None,
                         security=security,
                         visibility=appender.visibility,
                     )
