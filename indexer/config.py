@@ -83,7 +83,6 @@ class ChangesConfig:
 class CompactionConfig:
     interval_s: float  # 0: only on demand
     thread_nice: int = COMPACTION_NICE  # LevelDB's compaction thread; 0: as the daemon
-    write_buffer_bytes: int = 4 << 20  # the store's memtable (LevelDB's write_buffer_size)
 
 
 @dataclass(frozen=True)
@@ -446,7 +445,6 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
     compaction = CompactionConfig(
         interval_s=c.integer("interval_minutes", 0, 525_600) * 60.0,
         thread_nice=c.integer("thread_nice", 0, 19),
-        write_buffer_bytes=c.integer("write_buffer_mb", 1, 1024) << 20,
     )
     deferred, tables = _deferred_builds(raw.get("indexes", {}))
     indexes = _indexes(tables)

@@ -121,11 +121,7 @@ async def serve(
         ) from None
     nice = config.compaction.thread_nice
     with (
-        IndexStore(
-            server.data_dir,
-            compaction_nice=nice,
-            write_buffer_size=config.compaction.write_buffer_bytes,
-        ) as store,
+        IndexStore(server.data_dir, compaction_nice=nice) as store,
         rare_collections() as collector,
     ):
         if store.compaction_thread is not None:

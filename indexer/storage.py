@@ -237,20 +237,14 @@ def thread_nice(tid: int) -> int | None:
 class IndexStore:
     """Main and back index of every index in one LevelDB database."""
 
-    def __init__(
-        self,
-        data_dir: Path,
-        create: bool = True,
-        compaction_nice: int = 0,
-        write_buffer_size: int | None = None,
-    ) -> None:
+    def __init__(self, data_dir: Path, create: bool = True, compaction_nice: int = 0) -> None:
         path = data_dir / STORE_DIR
         if not create and not path.is_dir():
             raise StoreError(f"no store in {data_dir}")
         if create:
             path.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.db = open_leveldb(path, create, write_buffer_size=write_buffer_size)
+        self.db = open_leveldb(path, create)
         self._closed_logs = ClosedLogs(path)
         # The id of LevelDB's compaction thread if this store started it at `compaction_nice`.
         self.compaction_thread = start_compaction_thread(self.db, compaction_nice)

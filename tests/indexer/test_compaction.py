@@ -46,15 +46,3 @@ def test_the_schedule_compacts_every_interval_and_never_when_off(tmp_path: Path)
         assert scheduled.last.reason == "scheduled"
         assert off.runs == 1 and off.statistics()["last"]["reason"] == "requested"
         assert not off.statistics()["running"]
-
-
-def test_a_bigger_write_buffer_makes_fewer_level_0_tables(tmp_path: Path) -> None:
-    """`[compaction] write_buffer_mb` reaches LevelDB: 6 MiB of writes fill a 1 MiB memtable
-    several times over and a 16 MiB one not once."""
-    tables = {}
-    for mib in (1, 16):
-        with IndexStore(tmp_path / str(mib), write_buffer_size=mib << 20) as store:
-            for r in range(6):
-                store.write([(b"k%02d%06d" % (r, i), b"v" * 90) for i in range(10_000)], [])
-            tables[mib] = len(list(store.path.glob("*.ldb")))
-    assert tables[1] >= 3 and tables[16] == 0, tables

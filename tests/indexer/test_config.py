@@ -15,8 +15,6 @@ def test_embedded_default_is_valid_and_documented() -> None:
     assert [i.name for i in config.indexes] == ["by_city", "by_age"]
     assert config.compaction.thread_nice == 10
     assert parse_config("[compaction]\nthread_nice = 0\n").compaction.thread_nice == 0
-    buffer = parse_config("[compaction]\nwrite_buffer_mb = 64\n").compaction.write_buffer_bytes
-    assert buffer == 64 << 20
     from config import default_config_text
 
     lines = default_config_text().splitlines()
@@ -50,7 +48,6 @@ def test_sizes_and_vbucket_ranges() -> None:
         ("[snapshots]\npersist_interval_ms = true\n", "snapshots.persist_interval_ms"),
         ("[slab]\npool = 1000\n", "slab.pool"),
         ("[compaction]\nthread_nice = 20\n", "compaction.thread_nice"),
-        ("[compaction]\nwrite_buffer_mb = 0\n", "compaction.write_buffer_mb"),
         ("[indexes.x]\nkeys = []\n", "indexes.x.keys"),
         ('[indexes."../etc"]\nkeys = ["a"]\n', "indexes.../etc"),
         ('[indexes.x]\nkeys = ["a"]\nwhere = 1\n', "indexes.x.where"),
