@@ -2,18 +2,19 @@
 rate of Spark's readStream over it, the latency from a write to the feed, and what writing the
 history costs the ingest.
 
-    python bench/changes.py [--mutations N] [--keys K] [--seed S] [--rounds R] [--skip-spark]
-                            [--writes W] [--keep]
+    python bench/changes.py [--mutations N] [--keys K] [--seed S] [--rounds R] [--pairs P]
+                            [--skip-spark] [--writes W] [--keep]
 
 1. Ingest cost: R rounds, each feeding the same N mutations (`indexer feed --generate`, until
    persisted) to a fresh daemon with `changes.history = true` and to one with `false`, one after
    the other (interleaved, so the machine's drift falls on both): documents/s of each, the
    median of each and their ratio (target: the history costs at most 10%).
 2. Read rate: on the last daemon with history, N mutations more over the same K docids (the
-   same workload generated twice as long: updates and deletes); then, best of 3, the rows/s
-   of GET /indexes/by_city/changes between the tokens before and after them (Arrow, and
-   NDJSON), and of a full Arrow scan of the index (its entries after them). Target: feed >=
-   0.5x the Arrow scan.
+   same workload generated twice as long: updates and deletes); then the rows/s of GET
+   /indexes/by_city/changes between the tokens before and after them in Arrow and of a full
+   Arrow scan of the index (its entries after them), P pairs read one after the other (the
+   machine's drift falls on both): the median of each, and the median and spread of the
+   pairs' ratios (target: feed >= 0.5x the Arrow scan); and the feed in NDJSON, best of 3.
 3. Spark: `spark.readStream.format("indexer")` from the first token to the second, under
    Trigger.AvailableNow into the noop sink (session start-up excluded), twice in one
    session: rows/s of the first query (with its Python workers' start) and of the second.
@@ -40,7 +41,7 @@ from typing import Any
 
 import httpx
 import pyarrow as pa
-from common import Daemon, Router, free_port, in_workdir, ratio, say  # bench/common.py
+from common import Daemon, Router, free_port, in_workdir, say  # bench/common.py
 
 NAME = "by_city"
 NO_HISTORY = "[changes]\nhistory = false\n"
@@ -65,11 +66,13 @@ def latest(client: httpx.Client, daemon: Daemon) -> str:
     return str(answer.headers["x-indexer-next"])
 
 
-def read_rate(client: httpx.Client, url: str, params: dict[str, str], arrow: bool) -> float:
-    """Rows/s of one streamed GET (Arrow batches, or NDJSON lines), best of 3."""
+def read_rate(
+    client: httpx.Client, url: str, params: dict[str, str], arrow: bool, times: int = 3
+) -> float:
+    """Rows/s of one streamed GET (Arrow batches, or NDJSON lines), best of `times`."""
     best = 0.0
     headers = {"accept": "application/vnd.apache.arrow.stream"} if arrow else {}
-    for _ in range(3):
+    for _ in range(times):
         started = time.perf_counter()
         rows = 0
         with client.stream("GET", url, params=params, headers=headers) as response:
@@ -190,17 +193,22 @@ def measure(opts: argparse.Namespace, workdir: Path, started: list[Daemon]) -> d
         params = {"since": before, "until": after, "columns": "string,long"}
         head = client.get(url, params={"since": before, "until": after})
         rows = sum(1 for line in head.text.splitlines() if line)
-        feed_arrow = read_rate(client, url, params, arrow=True)
-        feed_ndjson = read_rate(client, url, {"since": before, "until": after}, arrow=False)
         scan_url = f"{daemon.url}/indexes/{NAME}/scan"
-        scan_arrow = read_rate(client, scan_url, {"columns": "string,long"}, arrow=True)
+        feeds, scans = [], []
+        for _ in range(opts.pairs):
+            feeds.append(read_rate(client, url, params, arrow=True, times=1))
+            scans.append(read_rate(client, scan_url, {"columns": "string,long"}, True, times=1))
+        feed_ndjson = read_rate(client, url, {"since": before, "until": after}, arrow=False)
+    feed_arrow, scan_arrow = statistics.median(feeds), statistics.median(scans)
+    ratios = sorted(f / s for f, s in zip(feeds, scans, strict=True))
     say(
         f"feed: {rows:,} rows; Arrow {feed_arrow:,.0f} rows/s, NDJSON {feed_ndjson:,.0f} rows/s; "
-        f"full Arrow scan {scan_arrow:,.0f} rows/s: feed / scan {ratio(feed_arrow, scan_arrow)}"
+        f"full Arrow scan {scan_arrow:,.0f} rows/s (medians of {opts.pairs} pairs): feed / scan "
+        f"{statistics.median(ratios):.3f} (pairs {ratios[0]:.3f}-{ratios[-1]:.3f})"
     )
     summary.update(
         feed_rows=rows, feed_arrow=feed_arrow, feed_ndjson=feed_ndjson, scan_arrow=scan_arrow,
-        feed_over_scan=ratio(feed_arrow, scan_arrow),
+        feed_over_scan=round(statistics.median(ratios), 3), feed_over_scan_pairs=ratios,
     )  # fmt: skip
     if not opts.skip_spark:
         cold, warm = spark_rate(daemon, before, rows)
@@ -234,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--writes", type=int, default=50)
+    parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--skip-spark", action="store_true")
     parser.add_argument("--keep", action="store_true")
     opts = parser.parse_args(argv)

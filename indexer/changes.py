@@ -4,7 +4,7 @@ Every flush writes, in the WriteBatch of the entries it describes, one history r
 vbucket it changed documents of, keyed by the highest seqno in it: per document, the mutation
 that changed it last in that flush and its keys before and after, in the order of the ids:
 
-    b"h" + vbucket (u16) + seqno (u64) -> marshal (index ids, [(seqno, docid, olds, news), ...])
+    b"h" + vbucket (u16) + seqno (u64) -> marshal (index ids, seqnos, docids, olds, news)
     b"m" + mark (u64)                  -> persisted_at (f64) + zlib of the seqnos (u64 each)
     b"\\x00meta:marks"                  -> the last mark number given (u64): never given twice
     b"\\x00meta:changes"                -> JSON: the history's id, and the mark each index's
@@ -17,7 +17,10 @@ across restarts (one record per flush and vbucket costs a put and a marshal call
 not per document): start-up recovery and rollbacks delete the
 records (and marks) past the timestamp they go back to, after reverting from them whatever the
 store still held past it. The keys are the encoded index keys (back-index values): an array
-index's record names the entries before and after as one value each.
+index's record names the entries before and after as one value each. A record holds columns
+(olds and news: per index, its value per document), so that a read takes one index's values
+without a Python step per document; records of the row layout written before, (index ids,
+[(seqno, docid, olds, news), ...]), still read.
 """
 
 from __future__ import annotations
@@ -59,15 +62,38 @@ def history_key(vbucket: int, seqno: int) -> bytes:
 Change = tuple[int, bytes, tuple[bytes, ...], tuple[bytes, ...]]  # seqno, docid, olds, news
 
 
+class HistoryGroup(NamedTuple):
+    """A history record decoded: the documents' seqnos and docids, and per index (in the order
+    of `ids`) its value of each document before (olds) and after (news) the flush."""
+
+    ids: tuple[int, ...]
+    seqnos: tuple[int, ...]
+    docids: tuple[bytes, ...]
+    olds: tuple[tuple[bytes, ...], ...]
+    news: tuple[tuple[bytes, ...], ...]
+
+
+def _by_index(values: Sequence[tuple[bytes, ...]]) -> tuple[tuple[bytes, ...], ...]:
+    """Per document, its value of each index -> per index, its value of each document."""
+    return tuple(zip(*values, strict=True))
+
+
 def encode_group(ids: tuple[int, ...], changes: list[Change]) -> bytes:
     """The changes of one flush in one vbucket, in seqno order: the keys of every index the
-    writer writes (ids), before and after, as the flush has them (no per-index work)."""
-    return marshal.dumps((ids, changes), 4)
+    writer writes (ids), before and after, as the flush has them, turned into columns."""
+    seqnos, docids, olds, news = zip(*changes, strict=True)
+    return marshal.dumps((ids, seqnos, docids, _by_index(olds), _by_index(news)), 4)
 
 
-def decode_group(value: bytes) -> tuple[tuple[int, ...], list[Change]]:
-    ids, changes = marshal.loads(value)
-    return ids, changes
+def decode_group(value: bytes) -> HistoryGroup:
+    decoded = marshal.loads(value)
+    if len(decoded) == 5:
+        return HistoryGroup(*decoded)
+    ids, changes = decoded  # the row layout
+    if not changes:
+        return HistoryGroup(ids, (), (), (), ())
+    seqnos, docids, olds, news = zip(*changes, strict=True)
+    return HistoryGroup(ids, seqnos, docids, _by_index(olds), _by_index(news))
 
 
 class ChangeTokenError(ValueError):
@@ -406,11 +432,11 @@ class ChangeHistory:
             stop = history_key(vb + 1, 0)
             for key, value in db.iterator(start=start, stop=stop):
                 doomed.append(key)
-                ids, changes = decode_group(value)
-                for _seqno, docid, olds, _news in changes:
-                    wanted = oldest.setdefault(docid, {})
-                    for index_id, old in zip(ids, olds, strict=True):
-                        wanted.setdefault(index_id, old)  # seqno order: the first is the oldest
+                group = decode_group(value)
+                for i, index_id in enumerate(group.ids):
+                    for docid, old in zip(group.docids, group.olds[i], strict=True):
+                        # Seqno order: the first is the oldest.
+                        oldest.setdefault(docid, {}).setdefault(index_id, old)
         # Records of one vbucket come in seqno order, and a document lives in one vbucket.
         by_id = {index.index_id: index for index in indexes}
         reverted = 0
@@ -638,20 +664,18 @@ class ChangeHistory:
             )
             try:
                 for value in iterator:
-                    ids, changes = decode_group(value)
-                    if index_id not in ids or not changes:
+                    ids, seqnos, docids, olds_by_index, news_by_index = decode_group(value)
+                    if index_id not in ids or not seqnos:
                         continue  # written before the index was active
                     position = ids.index(index_id)
-                    seqnos, docids, olds_all, news_all = zip(*changes, strict=True)
+                    olds, news = olds_by_index[position], news_by_index[position]
                     start = bisect.bisect_right(seqnos, low) if seqnos[0] <= low else 0
                     stop = bisect.bisect_right(seqnos, high) if seqnos[-1] > high else len(seqnos)
                     if start >= stop:
                         continue
                     if start or stop < len(seqnos):
                         seqnos, docids = seqnos[start:stop], docids[start:stop]
-                        olds_all, news_all = olds_all[start:stop], news_all[start:stop]
-                    olds = [keys[position] for keys in olds_all]
-                    news = [keys[position] for keys in news_all]
+                        olds, news = olds[start:stop], news[start:stop]
                     # The mark of a change: the first whose timestamp reaches its seqno.
                     at = bisect.bisect_left(reached, seqnos[0])
                     if reached[at] >= seqnos[-1]:

@@ -3,11 +3,19 @@ between marks, going back past a timestamp, retention."""
 
 from __future__ import annotations
 
+import marshal
 from pathlib import Path
 
 import pytest
 
-from indexer.changes import ChangeHistory, ChangeToken, ChangeTokenError, HistoryGoneError
+from indexer.changes import (
+    HISTORY_PREFIX,
+    ChangeHistory,
+    ChangeToken,
+    ChangeTokenError,
+    HistoryGoneError,
+    decode_group,
+)
 from indexer.keys import encode_key
 from indexer.storage import IndexStore, StoredIndex
 from indexer.timestamps import StabilityTimestamp
@@ -97,6 +105,41 @@ def test_records_between_marks_are_the_changes_and_pages_read_the_same(store: In
     )
     assert [r.op for r in page] == ["delete", "insert"]
     assert ChangeToken.decode(partial.encode()) == partial
+
+
+def in_row_layout(store: IndexStore) -> int:
+    """Rewrite every history record as the row layout wrote it: (ids, [(seqno, docid, olds,
+    news), ...]), a tuple of every index's value per document. Returns how many."""
+    records = list(store.db.iterator(prefix=HISTORY_PREFIX))
+    for key, value in records:
+        ids, seqnos, docids, olds, news = marshal.loads(value)
+        rows = [
+            (seqno, docid, tuple(o[i] for o in olds), tuple(n[i] for n in news))
+            for i, (seqno, docid) in enumerate(zip(seqnos, docids, strict=True))
+        ]
+        store.db.put(key, marshal.dumps((ids, rows), 4))
+        assert decode_group(store.db.get(key)) == decode_group(value)
+    return len(records)
+
+
+def test_records_of_the_row_layout_read_and_revert_as_the_columns_do(store: IndexStore) -> None:
+    w, indexes, history = writing(store)
+    by_city, by_age = indexes
+    first = history.write_mark(ts(0, 0, 0, 0), indexes)
+    w.apply([record(1, "a", "Oslo", 30), record(2, "b", "Rome", 40)], [1, 1])
+    kept = history.write_mark(ts(0, 2, 0, 0), indexes)
+    want = (entries(store, by_city), entries(store, by_age), back(store, by_city))
+    w.apply([record(3, "a", "Kyiv", 31), record(4, "b", deleted=True)], [1, 1])
+    w.apply([record(1, "c", "Lima", 50)], [2])
+    last = history.write_mark(ts(0, 4, 1, 0), indexes)
+    columns = rows_of(history, store, ChangeToken(history.history_id, first.number), last.number)
+    assert len(columns[0]) == 6
+    assert in_row_layout(store) == 3
+    rows = rows_of(history, store, ChangeToken(history.history_id, first.number), last.number)
+    assert rows == columns
+    assert history.recover(ts(0, 2, 0, 0), indexes) == 3  # a, b and c
+    assert (entries(store, by_city), entries(store, by_age), back(store, by_city)) == want
+    assert [m.number for m in history.marks()] == [first.number, kept.number]
 
 
 def test_going_back_past_an_unclean_timestamp_reverts_from_the_records(
