@@ -82,7 +82,9 @@ def encode_group(ids: tuple[int, ...], changes: list[Change]) -> bytes:
     """The changes of one flush in one vbucket, in seqno order: the keys of every index the
     writer writes (ids), before and after, as the flush has them, turned into columns."""
     seqnos, docids, olds, news = zip(*changes, strict=True)
-    return marshal.dumps((ids, seqnos, docids, _by_index(olds), _by_index(news)), 4)
+    # Version 2: no references between objects. Later versions look every value up in a table
+    # (values a flush holds elsewhere too), which cost more than the columns save.
+    return marshal.dumps((ids, seqnos, docids, _by_index(olds), _by_index(news)), 2)
 
 
 def decode_group(value: bytes) -> HistoryGroup:
