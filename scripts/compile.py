@@ -23,13 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Where bench/pipeline.py --profile puts the CPU per document (docs/performance.md): the key
 # codec, the record and frame codecs, the router's Mutation Manager and source log, the flush's
-# per-mutation loop, the slab pool and ring.
+# per-mutation loop, the slab pool and ring; and the PostgreSQL source's message decoder.
 COMPILED = (
     "indexer/keys.py",
     "indexer/protocol.py",
     "indexer/router/source/mutations.py",
     "indexer/router/source/log.py",
     "indexer/router/streams/records.py",
+    "indexer/router/inputs/postgres/pgoutput.py",
     "workers/flush.py",
     "slab/pool.py",
     "slab/ring.py",

@@ -19,6 +19,7 @@ UNIT_TESTS = (
     "tests/indexer/test_mutations.py",
     "tests/indexer/test_source.py",
     "tests/indexer/test_record_encoder.py",
+    "tests/indexer/test_pgoutput.py",
     "tests/slab/test_pool.py",
     "tests/slab/test_ring.py",
     "tests/workers/test_flush.py",
@@ -27,9 +28,9 @@ UNIT_TESTS = (
 WHERE = (
     "import indexer.keys, indexer.protocol, workers.flush, slab.pool, slab.ring, "
     "indexer.router.source.mutations as m, indexer.router.source.log as l, "
-    "indexer.router.streams.records as r; "
+    "indexer.router.streams.records as r, indexer.router.inputs.postgres.pgoutput as p; "
     "print(*(x.__file__ for x in (indexer.keys, indexer.protocol, workers.flush, slab.pool, "
-    "slab.ring, m, l, r)))"
+    "slab.ring, m, l, r, p)))"
 )
 
 
@@ -47,7 +48,7 @@ def test_the_compiled_modules_unit_tests_pass_as_plain_python(tmp_path: Path) ->
     )
     assert where.returncode == 0, where.stderr
     files = where.stdout.split()
-    assert len(files) == 8 and all(f.endswith(".py") and f.startswith(str(tmp_path)) for f in files)
+    assert len(files) == 9 and all(f.endswith(".py") and f.startswith(str(tmp_path)) for f in files)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *UNIT_TESTS],
         cwd=tmp_path,

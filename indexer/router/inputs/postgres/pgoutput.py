@@ -40,14 +40,8 @@ class PgOutputError(ValueError):
 
 @final
 class Unchanged:
-    """A TOASTed value an update did not change: pgoutput leaves it out."""
-
-    _instance: Unchanged | None = None
-
-    def __new__(cls) -> Unchanged:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+    """A TOASTed value an update did not change: pgoutput leaves it out. There is one,
+    UNCHANGED, and values are compared with it by identity."""
 
     def __repr__(self) -> str:
         return "UNCHANGED"
@@ -208,7 +202,6 @@ def _tuple_data(data: bytes, pos: int) -> tuple[TupleData, int]:
     pos += 2
     values: list[Value] = []
     append = values.append
-    unpack = _I32.unpack_from
     for _ in range(count):
         if pos >= end:
             raise PgOutputError(f"message {data[:1]!r} ends at byte {end}")
@@ -217,7 +210,12 @@ def _tuple_data(data: bytes, pos: int) -> tuple[TupleData, int]:
         if kind == _T:
             if pos + 4 > end:
                 raise PgOutputError(f"message {data[:1]!r} ends at byte {end}")
-            (length,) = unpack(data, pos)
+            # Four byte reads: native code when compiled, where a struct call is not.
+            length = (
+                (data[pos] << 24) | (data[pos + 1] << 16) | (data[pos + 2] << 8) | data[pos + 3]
+            )
+            if length >= 0x80000000:
+                length -= 0x100000000
             pos += 4
             if length < 0 or pos + length > end:
                 raise PgOutputError(f"a column value of {length} bytes runs past the message")
