@@ -330,6 +330,7 @@ def pg_run(pg: Postgres, rows: Sequence[Row], batch: int, run_dir: Path, timeout
         "persisted_s": round(seconds, 3),
         "lag_ms": lags_ms(poller, 1, commits, batch, n),
         "readable_lag_ms": lags_ms(poller, 2, commits, batch, n),
+        "appends": source["appends"],
         "polls": len(poller.samples),
         "failed_polls": poller.failures,
         "router_cpu_s": round(cpu[0], 2),
@@ -418,7 +419,8 @@ def report_pg(round_: int, r: Json) -> None:
         f"{r['seconds']:.2f} s from the first commit to persisted; {r['transactions']} "
         f"transactions of {r['batch']:,} committed at {r['commit_rows_per_s']:,} rows/s, the "
         f"last {r['insert_s']:.2f} s after the first insert; all readable at "
-        f"{r['readable_s']:.2f} s, persisted at {r['persisted_s']:.2f} s)"
+        f"{r['readable_s']:.2f} s, persisted at {r['persisted_s']:.2f} s; "
+        f"{r['appends']} appends, {r['rows'] / max(1, r['appends']):,.0f} changes each)"
     )
     say(
         f"  lag, commit to persisted: p50 {lag['p50']} ms, p99 {lag['p99']} ms, max "

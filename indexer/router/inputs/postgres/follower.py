@@ -419,6 +419,7 @@ class TableFollower:
         async for cut in cuts:
             await self.appender.append(cut.documents, cut.position.encode())
             progress.changes += len(cut.documents)
+            progress.appends += 1
             progress.lag_s = (
                 0.0
                 if cut.oldest_commit is None or reader.idle

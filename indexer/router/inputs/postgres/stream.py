@@ -137,19 +137,35 @@ class StreamReader:
                 continue
             if self.pending_position is not None:
                 # Nothing more for now; if more comes at once it joins the cut, else what is
-                # whole goes to the appender (waiting for it if it is busy).
+                # whole goes to the appender. While it is busy the stream is read on, and
+                # what comes meanwhile joins the cut: appends grow with the backlog.
                 with trio.move_on_after(COALESCE_S) as waited:
                     await trio.lowlevel.wait_readable(fd)
                 if not waited.cancelled_caught:
                     continue
                 self.idle = True
-                await self.hand_over(cuts, wait=True)
+                if not await self.hand_over(cuts, wait=False):
+                    if self.in_flight:  # busy with a cut, which ends in `appended`
+                        await self._readable_or_appended(fd)
+                        continue
+                    await self.hand_over(cuts, wait=True)  # not yet waiting for its first
             now = time.monotonic()
             if now - last_feedback >= FEEDBACK_S:
                 cur.send_feedback(flush_lsn=self.confirmed, force=True)
                 last_feedback = now
             with trio.move_on_after(FEEDBACK_S):
                 await trio.lowlevel.wait_readable(fd)
+
+    async def _readable_or_appended(self, fd: int) -> None:
+        """Until the stream has more to read or the appender has finished its cut."""
+        async with trio.open_nursery() as nursery:
+
+            async def first(wait: Any) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(first, lambda: trio.lowlevel.wait_readable(fd))
+            nursery.start_soon(first, self._appended.wait)
 
     async def hand_over(self, cuts: trio.MemorySendChannel[Cut], wait: bool) -> bool:
         """Give what is pending to the appender: at once if it is free, else only with `wait`

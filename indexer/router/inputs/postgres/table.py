@@ -70,6 +70,7 @@ class PostgresProgress:
     state: str = "starting"  # copying, streaming, reconnecting
     copied_rows: int = 0
     changes: int = 0  # row changes appended (a TRUNCATE counts its documents)
+    appends: int = 0  # synced appends of those changes (fewer, larger ones cost less a change)
     skipped: int = 0  # changes read again after a restart, already in the log
     transactions: int = 0
     confirmed_lsn: str | None = None  # what this router confirmed to the slot
