@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, TypeGuard
@@ -160,7 +160,7 @@ class StreamReader:
         """Until the stream has more to read or the appender has finished its cut."""
         async with trio.open_nursery() as nursery:
 
-            async def first(wait: Any) -> None:
+            async def first(wait: Callable[[], Awaitable[object]]) -> None:
                 await wait()
                 nursery.cancel_scope.cancel()
 
