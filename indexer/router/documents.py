@@ -7,10 +7,10 @@ import math
 import re
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 
 from indexer.keys import KeyEncodingError, encode_value
@@ -32,6 +32,10 @@ _LONG_DIGITS = re.compile(r"\d{19}")
 # five times faster than the regular expression on a line of the input.
 _DIGITS_TO_ZEROS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))
 _LONG_RUN = b"0" * 19
+# The same with "[" and "{" to "[": one pass gives the run of digits and the nesting's bound.
+_DIGITS_AND_OPENINGS = bytes(
+    48 if 48 <= i <= 57 else 91 if i in (91, 123) else 32 for i in range(256)
+)
 
 
 def _has_long_digits(text: str | bytes) -> bool:
@@ -126,17 +130,88 @@ def _loads_checked(text: str | bytes) -> Any:
         raise DocumentError(f"arrays and objects nest deeper than {MAX_DEPTH} levels") from None
 
 
-@dataclass(frozen=True, slots=True)
+_UNPARSED: Any = object()  # the body of a document read from its line only when asked for
+
+
 class Document:
     """An upsert (`body` is the JSON object) or a delete (`body` is None) of one document.
 
     `line`: the JSONL line it was read from, if any; the source log stores that line as it is
     rather than encoding the document again (`id` may be a number there: read it with `str`).
+    A document made by `from_line` parses its body only when something asks for it: an index
+    on plain paths reads its keys from the line (`RecordEncoder`), so most documents are never
+    held parsed.
     """
 
-    docid: str
-    body: dict[str, Any] | None
-    line: bytes | None = field(default=None, compare=False, repr=False)
+    __slots__ = ("_body", "_expires", "docid", "line")
+
+    def __init__(self, docid: str, body: dict[str, Any] | None, line: bytes | None = None) -> None:
+        self.docid = docid
+        self.line = line
+        self._body = body
+        self._expires: bool | None = None
+
+    @classmethod
+    def from_line(cls, docid: str, line: bytes, expires: bool | None = None) -> Document:
+        """The upsert a checked line in the JSONL shape holds, its body parsed on first use.
+        `expires`: whether the body holds an `_exp`, if the caller knows (None: it does not)."""
+        document = cls(docid, None, line)
+        document._body = _UNPARSED
+        document._expires = expires
+        return document
+
+    @property
+    def body(self) -> dict[str, Any] | None:
+        body = self._body
+        if body is _UNPARSED:
+            assert self.line is not None
+            body = self._body = json_loads(self.line)["doc"]
+        return body
+
+    @property
+    def deleted(self) -> bool:
+        return self._body is None
+
+    @property
+    def has_expiry(self) -> bool:
+        """Whether the body holds an `_exp` (indexer/router/expiry.py); an unparsed body is parsed
+        only if its line could hold one (the key itself, or an escape that could spell it)."""
+        body = self._body
+        if body is None:
+            return False
+        if body is _UNPARSED:
+            if self._expires is not None:
+                return self._expires
+            line = self.line
+            assert line is not None
+            if b"_exp" not in line and b"\\u" not in line:
+                return False
+        return "_exp" in self.body  # type: ignore[operator]  # not None: checked above
+
+    @property
+    def unparsed_line(self) -> bytes | None:
+        """The line of an upsert whose body nothing has parsed yet (else None)."""
+        return self.line if self._body is _UNPARSED else None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Document):
+            return NotImplemented
+        return self.docid == other.docid and self.body == other.body
+
+    __hash__ = None  # type: ignore[assignment]  # a body is a dict
+
+    def __repr__(self) -> str:
+        return f"Document(docid={self.docid!r}, body={self.body!r})"
+
+    def __getstate__(self) -> tuple[str, bytes | None, dict[str, Any] | None, bool, bool | None]:
+        unparsed = self._body is _UNPARSED
+        return (self.docid, self.line, None if unparsed else self._body, unparsed, self._expires)
+
+    def __setstate__(
+        self, state: tuple[str, bytes | None, dict[str, Any] | None, bool, bool | None]
+    ) -> None:
+        self.docid, self.line, body, unparsed, self._expires = state
+        self._body = _UNPARSED if unparsed else body
 
 
 def vbucket_of(docid: bytes, num_vbuckets: int) -> int:
@@ -183,15 +258,14 @@ def quick_document(raw: bytes) -> Document | None:
     an object, nesting counted only where it could be deep, an id of at most 250 bytes, and no
     `_exp` (its check is the caller's slower path).
     """
-    if _LONG_RUN in raw.translate(_DIGITS_TO_ZEROS):
+    shape = raw.translate(_DIGITS_AND_OPENINGS)
+    if _LONG_RUN in shape or shape.count(b"[") > MAX_DEPTH:
         return None
     try:
         item = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
     if type(item) is not dict:
-        return None
-    if len(raw) > MAX_DEPTH and raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
         return None
     docid = item.get("id")
     if type(docid) is str:
@@ -206,7 +280,42 @@ def quick_document(raw: bytes) -> Document | None:
     body = item.get("doc")
     if type(body) is not dict or "_exp" in body:
         return None
-    return Document(docid, body, raw)
+    # The parse above is dropped (it was a check): a parsed document held costs several times
+    # its parse, and the streams read the index paths from the line.
+    return Document.from_line(docid, raw, expires=False)
+
+
+def encode_document(document: Document) -> bytes:
+    """A document as compact JSON, in the JSONL input's shape."""
+    item: dict[str, Any] = (
+        {"id": document.docid, "deleted": True}
+        if document.deleted
+        else {"id": document.docid, "doc": document.body}
+    )
+    return json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# What a stored document says before its body: its id, and whether it is a delete.
+_HEAD: Any = msgspec.json.Decoder(
+    msgspec.defstruct("StoredHead", [("id", Any), ("deleted", Any, False)], gc=False)
+)
+
+
+def decode_document(value: bytes) -> Document:
+    """A stored document: `encode_document`'s output, or an input line stored as it was read.
+    Its body is parsed only if something reads it (the log holds only lines checked whole)."""
+    try:
+        head = _HEAD.decode(value)
+    except msgspec.DecodeError:
+        # Not strict JSON: a NaN that a log written before the input checks holds, say.
+        item = json_loads(value)
+        return Document(str(item["id"]), None if item.get("deleted") is True else item["doc"])
+    docid = head.id
+    if type(docid) is not str:
+        docid = str(docid)
+    if head.deleted is True:
+        return Document(docid, None)
+    return Document.from_line(docid, value)
 
 
 def read_jsonl(path: Path) -> Iterator[Document]:

@@ -52,9 +52,10 @@ def absolute_expiry(value: Any, now: float) -> int | None:
 
 def with_absolute_expiry(document: Document, now: float) -> Document:
     """The document with its `_exp` as an absolute unix time (unchanged without one)."""
-    body = document.body
-    if body is None or EXPIRY_FIELD not in body:
+    if not document.has_expiry:
         return document
+    body = document.body
+    assert body is not None
     when = absolute_expiry(body[EXPIRY_FIELD], now)
     if when is None or body[EXPIRY_FIELD] == when:
         return document  # no expiry (null, 0) or already absolute
@@ -63,8 +64,9 @@ def with_absolute_expiry(document: Document, now: float) -> Document:
 
 def expiry_of(document: Document) -> int | None:
     """The absolute expiry of a stored document (see `with_absolute_expiry`), if any."""
-    body = document.body
-    if body is None:
+    if not document.has_expiry:
         return None
+    body = document.body
+    assert body is not None
     value = body.get(EXPIRY_FIELD)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -12,8 +12,8 @@ import trio.testing
 
 from indexer import protocol as p
 from indexer.keys import index_key
-from indexer.router.documents import Document
-from indexer.router.source.log import SourceLog, encode_document
+from indexer.router.documents import Document, encode_document
+from indexer.router.source.log import SourceLog
 from indexer.router.source.mutations import MutationManager
 from indexer.router.streams.chunks import read_backfill_chunk
 from indexer.router.streams.node_stream import (

@@ -15,6 +15,7 @@ from pathlib import Path
 import trio
 
 from indexer.router.documents import LineSplitter, routing_id
+from indexer.router.documents import encode_document as encode_line
 from indexer.router.inputs.workload import Workload, generate, paced
 from indexer.router.shards.layout import ShardLayout
 from indexer.router.shards.messages import (
@@ -24,7 +25,6 @@ from indexer.router.shards.messages import (
 )
 from indexer.router.shards.process import Shard
 from indexer.router.source.appender import READ_BYTES
-from indexer.router.source.log import encode_document as encode_line
 
 log = logging.getLogger("indexer.router")
 

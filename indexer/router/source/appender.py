@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import trio
 
 from indexer.router.documents import Document, vbucket_of
-from indexer.router.expiry import EXPIRY_FIELD, with_absolute_expiry
+from indexer.router.expiry import with_absolute_expiry
 from indexer.router.source.log import SourceLog
 from indexer.router.source.mutations import MutationManager
 from indexer.router.source.recent import RecentDocuments
@@ -108,15 +108,12 @@ class Appender:
         """Append (blocking): each document's position, its stored form and its payload."""
         now = time.time()
         # Stored with an absolute `_exp`: the manager's payloads must match the log.
-        documents = [
-            with_absolute_expiry(d, now) if d.body is not None and EXPIRY_FIELD in d.body else d
-            for d in documents
-        ]
+        documents = [with_absolute_expiry(d, now) if d.has_expiry else d for d in documents]
         positions: list[tuple[int, int]] = []
         encoded: list[bytes] = []
         self.source.append(documents, now, encoded, input_position, positions)
         payloads = [
-            None if d.body is None else value for d, value in zip(documents, encoded, strict=True)
+            None if d.deleted else value for d, value in zip(documents, encoded, strict=True)
         ]
         return positions, documents, payloads
 

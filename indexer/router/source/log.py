@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from indexer.protocol import MAX_FAILOVER_ENTRIES
-from indexer.router.documents import Document, json_loads, vbucket_of
-from indexer.router.expiry import EXPIRY_FIELD, expiry_of, with_absolute_expiry
+from indexer.router.documents import Document, decode_document, encode_document, vbucket_of
+from indexer.router.expiry import expiry_of, with_absolute_expiry
 from indexer.storage import ClosedLogs, open_leveldb, start_compaction_thread
 
 STATE_DIR = "source"
@@ -111,22 +111,6 @@ def _move_expiry(
         batch.put(expiry_key(new, docid), b"")
         batch.put(_PENDING + docid.encode(), _TIME.pack(new))
     pending[docid] = new
-
-
-def encode_document(document: Document) -> bytes:
-    """A document as compact JSON, in the JSONL input's shape."""
-    item: dict[str, Any] = (
-        {"id": document.docid, "deleted": True}
-        if document.body is None
-        else {"id": document.docid, "doc": document.body}
-    )
-    return json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def decode_document(value: bytes) -> Document:
-    """A stored document: `encode_document`'s output, or an input line stored as it was read."""
-    item = json_loads(value)
-    return Document(str(item["id"]), None if item.get("deleted") is True else item["doc"])
 
 
 @dataclass
@@ -412,8 +396,7 @@ class SourceLog:
         with self.db.write_batch(transaction=True, sync=True) as batch:
             put = batch.put
             for document in documents:
-                body = document.body
-                timed = body is not None and EXPIRY_FIELD in body
+                timed = document.has_expiry
                 if timed:
                     document = with_absolute_expiry(document, clock)
                 docid = document.docid

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from itertools import islice, takewhile
 from typing import TypeVar
 
-from indexer.router.documents import Document
-from indexer.router.source.log import SourceLog, decode_document
+from indexer.router.documents import Document, decode_document
+from indexer.router.source.log import SourceLog
 from indexer.router.source.mutations import Backfill
 from indexer.router.streams.records import snapshot_frames as snapshot_frames
 

@@ -24,8 +24,8 @@ from typing import NoReturn
 import trio
 
 from indexer import protocol as p
-from indexer.router.documents import Document
-from indexer.router.source.log import SourceLog, decode_document, encode_document
+from indexer.router.documents import Document, decode_document, encode_document
+from indexer.router.source.log import SourceLog
 from indexer.router.source.mutations import (
     Backfill,
     BackfillRequired,

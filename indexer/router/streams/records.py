@@ -15,6 +15,7 @@ from indexer import protocol as p
 from indexer.expressions import PLAIN_PATH, ExpressionError, KeyExtractor
 from indexer.keys import MISSING, KeyEncodingError, encode_value, index_key
 from indexer.router.documents import Document
+from indexer.router.streams.paths import LinePaths, Unreadable
 from indexer.where import WhereError, matches, parse_where
 
 BATCH_RECORDS = 512
@@ -93,15 +94,26 @@ class RecordEncoder:
         self._steps = [tuple(path.split(".")) for path in distinct]
         self._columns = [tuple(distinct.index(path) for path in paths) for paths in self.paths]
         self._scalars: dict[tuple[type, object], bytes] = {}
+        # A document still in its line has only these paths decoded (no dict held per field).
+        self._line_paths = LinePaths(self._steps) if self.plain and not self.partial else None
 
     def keys(self, document: Document, seqno: int = 0) -> tuple[bytes, ...]:
         """The document's key in every index (b"" = not in that index)."""
-        body = document.body
+        if document.deleted:
+            return (b"",) * self.nkeys
         try:
-            if body is None:
-                return (b"",) * self.nkeys
-            if not self.partial and self.plain:
+            if self._line_paths is not None:
+                line = document.unparsed_line
+                if line is not None:
+                    try:
+                        return self._keys_of(self._line_paths.read(line))
+                    except Unreadable:
+                        pass  # a path through a value that is not an object: parse it all
+                body = document.body
+                assert body is not None
                 return self._plain_keys(body)
+            body = document.body
+            assert body is not None
             # A document a partial index's condition is not TRUE for gets the empty key,
             # which removes its entry there, like a missing leading field.
             docid = document.docid
@@ -113,14 +125,21 @@ class RecordEncoder:
             return self._keys_one_by_one(document, seqno)
 
     def _plain_keys(self, body: dict[str, object]) -> tuple[bytes, ...]:
-        """`keys` without partial indexes: each distinct path's value read and encoded once,
-        scalars that come again (ages, cities) from a small cache."""
-        scalars = self._scalars
-        encoded: list[bytes | None] = []
+        """`keys` without partial indexes, from a parsed body."""
+        values: list[object] = []
         for steps in self._steps:
             value: object = body
             for step in steps:
                 value = value.get(step, MISSING) if type(value) is dict else MISSING
+            values.append(value)
+        return self._keys_of(values)
+
+    def _keys_of(self, values: list[object]) -> tuple[bytes, ...]:
+        """The keys of plain indexes from each distinct path's value: each encoded once,
+        scalars that come again (ages, cities) from a small cache."""
+        scalars = self._scalars
+        encoded: list[bytes | None] = []
+        for value in values:
             if value is MISSING:
                 encoded.append(None)
                 continue
@@ -164,7 +183,7 @@ class RecordEncoder:
         """The MUTATIONS record of `document` at `seqno` (`docid`: its id, already encoded)."""
         docid = document.docid.encode() if docid is None else docid
         keys = self.keys(document, seqno)
-        record = p.encode_record(p.Mutation(seqno, docid, keys, document.body is None))
+        record = p.encode_record(p.Mutation(seqno, docid, keys, document.deleted))
         if len(record) > self.max_record_bytes:
             return self._fit(seqno, document, docid, keys, len(record))
         return record
@@ -186,7 +205,7 @@ class RecordEncoder:
                 f"its key takes {len(keys[i]):,} bytes, more than a frame of this node carries "
                 f"(server.max_frame_bytes = {self.max_frame_bytes:,})",
             )
-        return p.encode_record(p.Mutation(seqno, docid, tuple(fitted), document.body is None))
+        return p.encode_record(p.Mutation(seqno, docid, tuple(fitted), document.deleted))
 
     def _report(self, docid: str, seqno: int, index: str, why: str) -> None:
         """One log line per document left out of an index (per encoder, bounded memory)."""

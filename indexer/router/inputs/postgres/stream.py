@@ -327,10 +327,10 @@ class StreamReader:
         source = follower.appender.source
         if isinstance(message, Truncate):
             survivors = await trio.to_thread.run_sync(source.surviving_documents)
-            live = {docid for docid, document in survivors.items() if document.body is not None}
+            live = {docid for docid, document in survivors.items() if not document.deleted}
             # This transaction's changes before the TRUNCATE are not in the log yet.
             for document in self.pending:
-                if document.body is None:
+                if document.deleted:
                     live.discard(document.docid)
                 else:
                     live.add(document.docid)
