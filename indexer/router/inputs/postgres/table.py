@@ -271,12 +271,13 @@ def identifier(name: str) -> str:
 
 def with_line(docid: str, body: dict[str, Any]) -> Document:
     """A document with the line the source log stores (the JSONL input's shape), made with
-    orjson: the log would otherwise encode it again with the standard library."""
+    orjson: the log would otherwise encode it again with the standard library. The body is
+    dropped: the streams read the index paths from the line, as the log holds it."""
     try:
         line = orjson.dumps({"id": docid, "doc": body})
     except TypeError:  # an integer beyond 64 bits: the log encodes it
         return Document(docid, body)
-    return Document(docid, body, line)
+    return Document.from_line(docid, line, expires="_exp" in body)
 
 
 def drop_slot(dsn: str, slot: str) -> bool:
