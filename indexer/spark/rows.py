@@ -20,7 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
+import pyarrow as pa
 from pyspark.sql.types import ArrayType, DataType, DoubleType, FloatType, MapType, StructType
 
 Convert = Callable[[Any], Any]
@@ -235,3 +237,55 @@ def lines_of(shape: RowShape, rows: Sequence[dict[str, Any]]) -> list[RowLine]:
                 RowLine(None, "" if value is None else str(value), f"row with id {value!r}: {exc}")
             )
     return out
+
+
+# Arrow time zones whose datetimes print "+00:00" (what `datetime.isoformat` gives for them).
+_UTC_ZONES = frozenset({"UTC", "Etc/UTC", "+00:00", "Z", "GMT", "Etc/GMT", "Universal", "Zulu"})
+_EPOCH = datetime.datetime(1970, 1, 1)
+_FIRST_US = (datetime.datetime.min - _EPOCH) // datetime.timedelta(microseconds=1)
+_LAST_US = (datetime.datetime.max - _EPOCH) // datetime.timedelta(microseconds=1)
+
+
+def iso_timestamps(array: pa.Array) -> pa.Array | None:
+    """A column of microsecond timestamps (naive or UTC) as the ISO-8601 strings the per-value
+    path writes (`datetime.isoformat`: no fraction when it is zero), made in numpy; None for any
+    other column. A datetime per value took 5 us, more than the rest of a row's line."""
+    kind = array.type
+    if not pa.types.is_timestamp(kind) or kind.unit != "us":
+        return None
+    if kind.tz is None:
+        suffix = ""
+    elif kind.tz in _UTC_ZONES:
+        suffix = "+00:00"
+    else:
+        return None
+    micros = array.cast(pa.int64())
+    low, high = pa.compute.min_max(micros).values()
+    if low.is_valid and (low.as_py() < _FIRST_US or high.as_py() > _LAST_US):
+        return None  # beyond what a datetime holds: the per-value path says so
+    nulls = array.is_null().to_numpy(zero_copy_only=False)
+    values = micros.fill_null(0).to_numpy().astype("datetime64[us]")
+    whole = values.astype("datetime64[s]")
+    text = np.where(
+        values == whole,
+        np.datetime_as_string(whole, unit="s"),
+        np.datetime_as_string(values, unit="us"),
+    )
+    if suffix:
+        text = np.char.add(text, suffix)
+    return pa.array(text, type=pa.string(), mask=nulls)
+
+
+def rows_of(batch: pa.RecordBatch) -> list[dict[str, Any]]:
+    """The rows of an Arrow batch as `lines_of` takes them, timestamps already ISO text."""
+    columns = list(batch.columns)
+    changed = False
+    for i, column in enumerate(columns):
+        text = iso_timestamps(column)
+        if text is not None:
+            columns[i] = text
+            changed = True
+    if changed:
+        batch = pa.RecordBatch.from_arrays(columns, names=batch.schema.names)
+    rows: list[dict[str, Any]] = batch.to_pylist()
+    return rows

@@ -40,7 +40,7 @@ from indexer.spark.options import (
     seconds_option,
     whole_option,
 )
-from indexer.spark.rows import RowShape, lines_of
+from indexer.spark.rows import RowShape, lines_of, rows_of
 
 log = logging.getLogger("indexer.spark")
 
@@ -240,7 +240,7 @@ class IndexerWriter(DataSourceArrowWriter):
         pending: dict[str, _Pending] = {}
         number = 0  # of the row in the task
         for batch in iterator:
-            for row in lines_of(self.shape, batch.to_pylist()):
+            for row in lines_of(self.shape, rows_of(batch)):
                 number += 1
                 if row.line is None:
                     self._bad(commit, f"partition {task}, row {number}: {row.error}")

@@ -11,7 +11,10 @@ import threading
 import zlib
 from typing import Any
 
+import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
@@ -30,7 +33,7 @@ from pyspark.sql.types import (
 )
 
 from indexer.spark.options import IndexerSourceError
-from indexer.spark.rows import BadRow, RowShape, lines_of
+from indexer.spark.rows import BadRow, RowShape, iso_timestamps, lines_of, rows_of
 from indexer.spark.writer import WriterOptions, find_owners
 
 
@@ -179,3 +182,57 @@ def test_rows_go_to_the_router_or_shard_that_owns_their_vbucket() -> None:
     finally:
         for server in (sharded, low, high):
             server.close()
+
+
+_FIRST = datetime.datetime(1, 1, 1)
+_LAST = datetime.datetime(9999, 12, 31, 23, 59, 59, 999999)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.none(),
+            st.datetimes(min_value=_FIRST, max_value=_LAST),
+            st.datetimes(min_value=_FIRST, max_value=_LAST).map(lambda d: d.replace(microsecond=0)),
+        ),
+        max_size=30,
+    ),
+    st.sampled_from([None, "UTC", "Etc/UTC", "+00:00"]),
+)
+def test_timestamps_made_in_numpy_are_the_per_value_isoformat(
+    values: list[datetime.datetime | None], zone: str | None
+) -> None:
+    kind = pa.timestamp("us", tz=zone)
+    aware = [
+        None if v is None else v if zone is None else v.replace(tzinfo=datetime.UTC) for v in values
+    ]
+    array = pa.array(aware, type=kind)
+    text = iso_timestamps(array)
+    assert text is not None
+    # The model: each value as Arrow gives it to Python, written as the per-value path does.
+    expected = [None if v is None else v.isoformat() for v in array.to_pylist()]
+    assert text.to_pylist() == expected
+
+
+def test_other_time_zones_and_units_keep_the_per_value_path() -> None:
+    when = [datetime.datetime(2025, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)]
+    assert iso_timestamps(pa.array(when, type=pa.timestamp("us", tz="Europe/Paris"))) is None
+    assert iso_timestamps(pa.array(when, type=pa.timestamp("ns", tz="UTC"))) is None
+    assert iso_timestamps(pa.array([1, 2])) is None
+
+
+def test_rows_of_a_batch_give_the_lines_of_its_python_rows() -> None:
+    seen = [datetime.datetime(2025, 1, 2, 3, 4, 5, 600, tzinfo=datetime.UTC), None]
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "id": ["a", "b"],
+            "seen": pa.array(seen, type=pa.timestamp("us", tz="UTC")),
+            "age": [3, None],
+        }
+    )
+    shape = RowShape.of(
+        struct(id=StringType(), seen=TimestampType(), age=IntegerType()), "id", None, None, False
+    )
+    assert lines_of(shape, rows_of(batch)) == lines_of(shape, batch.to_pylist())
+    assert rows_of(batch)[0]["seen"] == "2025-01-02T03:04:05.000600+00:00"
