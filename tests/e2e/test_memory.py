@@ -24,7 +24,7 @@ PIPELINE = {
     "pipeline": {"workers": 4, "channel_batches": 4, "ring_slots": 32768},
 }
 # The quota: the idle daemon's RSS plus this budget.
-BUDGET = 16 * MiB
+BUDGET = 12 * MiB
 # How far RSS may pass the quota while fed (docs/testing.md): what the pipeline takes in between
 # the sample over the high mark and the pause, within the band a resume without RSS falling
 # allows (high - low mark); and with the final scans, whose answers are built in memory.
