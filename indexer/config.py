@@ -83,6 +83,7 @@ class ChangesConfig:
 class CompactionConfig:
     interval_s: float  # 0: only on demand
     thread_nice: int = COMPACTION_NICE  # LevelDB's compaction thread; 0: as the daemon
+    compression: str | None = None  # of the table files LevelDB writes: None or "snappy"
 
 
 @dataclass(frozen=True)
@@ -250,6 +251,16 @@ def _merge(base: dict[str, Any], override: dict[str, Any], where: str = "") -> d
         else:
             merged[key] = value
     return merged
+
+
+COMPRESSIONS = {"none": None, "snappy": "snappy"}
+
+
+def _compression(section: _Section) -> str | None:
+    value = section.table["compression"]
+    if value not in COMPRESSIONS:
+        raise section.fail("compression", f'must be "none" or "snappy", not {value!r}')
+    return COMPRESSIONS[value]
 
 
 class _Section:
@@ -445,6 +456,7 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
     compaction = CompactionConfig(
         interval_s=c.integer("interval_minutes", 0, 525_600) * 60.0,
         thread_nice=c.integer("thread_nice", 0, 19),
+        compression=_compression(c),
     )
     deferred, tables = _deferred_builds(raw.get("indexes", {}))
     indexes = _indexes(tables)

@@ -121,7 +121,9 @@ async def serve(
         ) from None
     nice = config.compaction.thread_nice
     with (
-        IndexStore(server.data_dir, compaction_nice=nice) as store,
+        IndexStore(
+            server.data_dir, compaction_nice=nice, compression=config.compaction.compression
+        ) as store,
         rare_collections() as collector,
     ):
         if store.compaction_thread is not None:

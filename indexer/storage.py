@@ -45,6 +45,7 @@ _ID = struct.Struct(">H")
 StoreWriteError = plyvel.IOError
 # A key range no entry is in: compacting it only writes the memtable out and starts a new log.
 _LOG_SWITCH = (b"\xff\xfflog-switch", b"\xff\xfflog-switch\xff")
+_ABOVE_EVERY_KEY = b"\xff" * 64  # every key of the store sorts below it (_LOG_SWITCH's the highest)
 _LOG_SWITCH_MARGIN = 1 << 20
 
 COMPACTION_NICE = 10
@@ -117,9 +118,14 @@ def open_leveldb(
     locked: type[Exception] = StoreLockedError,
     failed: type[Exception] = StoreError,
     write_buffer_size: int | None = None,
+    compression: str | None = "snappy",
 ) -> Any:
-    """A plyvel database, with lock and corruption errors turned into one clear line."""
-    options = {} if write_buffer_size is None else {"write_buffer_size": write_buffer_size}
+    """A plyvel database, with lock and corruption errors turned into one clear line.
+    `compression` applies to the table files written from now on (None: none); a table records
+    its own, so files written either way read back."""
+    options: dict[str, Any] = {"compression": compression}
+    if write_buffer_size is not None:
+        options["write_buffer_size"] = write_buffer_size
     try:
         return plyvel.DB(str(path), create_if_missing=create, **options)
     except plyvel.IOError as exc:
@@ -237,14 +243,22 @@ def thread_nice(tid: int) -> int | None:
 class IndexStore:
     """Main and back index of every index in one LevelDB database."""
 
-    def __init__(self, data_dir: Path, create: bool = True, compaction_nice: int = 0) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        create: bool = True,
+        compaction_nice: int = 0,
+        compression: str | None = None,
+    ) -> None:
+        """`compression`: of the table files LevelDB writes (None or "snappy"; the daemon's
+        `compaction.compression`)."""
         path = data_dir / STORE_DIR
         if not create and not path.is_dir():
             raise StoreError(f"no store in {data_dir}")
         if create:
             path.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.db = open_leveldb(path, create)
+        self.db = open_leveldb(path, create, compression=compression)
         self._closed_logs = ClosedLogs(path)
         # The id of LevelDB's compaction thread if this store started it at `compaction_nice`.
         self.compaction_thread = start_compaction_thread(self.db, compaction_nice)
@@ -448,8 +462,11 @@ class IndexStore:
         return self.db.write_batch()
 
     def compact(self) -> None:
-        """Compact every level of the store (blocking: LevelDB rewrites what is live)."""
-        self.db.compact_range()
+        """Compact every level of the store (blocking: LevelDB rewrites what is live).
+
+        The range is named: plyvel's `compact_range()` without bounds hands LevelDB an empty
+        range, which flushes the memtable and frees nothing."""
+        self.db.compact_range(start=b"", stop=_ABOVE_EVERY_KEY)
 
     @property
     def source(self) -> str | None:

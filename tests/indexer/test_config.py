@@ -15,6 +15,9 @@ def test_embedded_default_is_valid_and_documented() -> None:
     assert [i.name for i in config.indexes] == ["by_city", "by_age"]
     assert config.compaction.thread_nice == 10
     assert parse_config("[compaction]\nthread_nice = 0\n").compaction.thread_nice == 0
+    assert config.compaction.compression is None
+    snappy = parse_config('[compaction]\ncompression = "snappy"\n')
+    assert snappy.compaction.compression == "snappy"
     from config import default_config_text
 
     lines = default_config_text().splitlines()
@@ -48,6 +51,7 @@ def test_sizes_and_vbucket_ranges() -> None:
         ("[snapshots]\npersist_interval_ms = true\n", "snapshots.persist_interval_ms"),
         ("[slab]\npool = 1000\n", "slab.pool"),
         ("[compaction]\nthread_nice = 20\n", "compaction.thread_nice"),
+        ('[compaction]\ncompression = "zlib"\n', "compaction.compression"),
         ("[indexes.x]\nkeys = []\n", "indexes.x.keys"),
         ('[indexes."../etc"]\nkeys = ["a"]\n', "indexes.../etc"),
         ('[indexes.x]\nkeys = ["a"]\nwhere = 1\n', "indexes.x.where"),
