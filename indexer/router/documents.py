@@ -189,6 +189,13 @@ class Document:
         return "_exp" in self.body  # type: ignore[operator]  # not None: checked above
 
     @property
+    def holds_body(self) -> bool:
+        """Whether it is an upsert whose body is held parsed: worth keeping for the streams,
+        where a line alone is as cheap to take again from the Mutation Manager's payload."""
+        body = self._body
+        return body is not None and body is not _UNPARSED
+
+    @property
     def unparsed_line(self) -> bytes | None:
         """The line of an upsert whose body nothing has parsed yet (else None)."""
         return self.line if self._body is _UNPARSED else None

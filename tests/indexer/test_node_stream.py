@@ -243,6 +243,13 @@ def test_recent_documents_are_bounded_forgotten_on_failover_and_change_nothing(
     for seqno in range(1, RECENT_APPENDS + 2):
         singles.add([(2, seqno)], [Document(f"f{seqno}", {})])
     assert singles.get(2, 1) is None and singles.get(2, 2) == Document("f2", {})
+    # An append of unparsed lines is not kept (its payloads are as cheap), unless one is parsed.
+    lines = [Document.from_line(f"g{i}", b'{"id":"g%d","doc":{"i":%d}}' % (i, i)) for i in range(2)]
+    recent.add([(3, 1), (3, 2)], lines)
+    assert recent.get(3, 1) is None
+    assert lines[1].body == {"i": 1}
+    recent.add([(3, 1), (3, 2)], lines)
+    assert recent.get(3, 1) is lines[0] and recent.get(3, 2) is lines[1]
     # Streams with and without the parsed documents at hand send the same frames.
     mm = MutationManager(capacity=1 << 30)
     recent = RecentDocuments()

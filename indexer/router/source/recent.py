@@ -1,5 +1,6 @@
 """The latest appended documents, parsed, kept for the node streams: a stream that keeps up takes
-a document from here instead of parsing the Mutation Manager's payload again."""
+a document from here instead of parsing the Mutation Manager's payload again. Appends of
+unparsed input lines are not kept: a document made from its payload costs no parse."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ class RecentDocuments:
         self._held = 0
 
     def add(self, positions: Sequence[tuple[int, int]], documents: Sequence[Document]) -> None:
+        """Keep an append's documents if any holds a parsed body (an append of input lines,
+        none parsed, is left out: a stream takes each from its payload as cheaply)."""
+        if not any(document.holds_body for document in documents):
+            return
         runs: dict[int, Run] = {}
         for (vb, seqno), document in zip(positions, documents, strict=True):
             run = runs.get(vb)

@@ -24,7 +24,7 @@ from typing import NoReturn
 import trio
 
 from indexer import protocol as p
-from indexer.router.documents import Document, decode_document, encode_document
+from indexer.router.documents import Document, encode_document
 from indexer.router.source.log import SourceLog
 from indexer.router.source.mutations import (
     Backfill,
@@ -142,7 +142,9 @@ def document_of(item: Item) -> Document:
     """The document a Mutation Manager item holds (its payload is the source log's encoding)."""
     if item.payload is None:
         return Document(item.docid.decode(), None)
-    return decode_document(item.payload)
+    # A memory payload is an upsert in the JSONL shape (deletes have none): its id is the item's,
+    # and its body is parsed only if an index needs more than the line's paths.
+    return Document.from_line(item.docid.decode(), item.payload)
 
 
 class NodeCursors:
