@@ -323,13 +323,17 @@ def _frame(mtype: MessageType, payload: bytes) -> bytes:
 
 def encode_record(mutation: Mutation) -> bytes:
     """One mutation record of a MUTATIONS frame, with its leading length field."""
-    layout = record_layout(len(mutation.keys))
-    docid = mutation.docid
-    body = docid + b"".join(mutation.keys)
-    op = OP_DELETE if mutation.deleted else OP_UPSERT
-    lengths = [len(k) for k in mutation.keys]
-    head = layout.pack(layout.size - 4 + len(body), mutation.seqno, op, len(docid), *lengths)
-    return head + body
+    return encode_record_of(mutation.seqno, mutation.docid, mutation.keys, mutation.deleted)
+
+
+def encode_record_of(seqno: int, docid: bytes, keys: tuple[bytes, ...], deleted: bool) -> bytes:
+    """`encode_record` of a mutation's fields: the streams make a record per document, and a
+    frozen `Mutation` alone took twice the packing's time (1.3 against 0.7 us)."""
+    layout = record_layout(len(keys))
+    body = docid + b"".join(keys)
+    op = OP_DELETE if deleted else OP_UPSERT
+    lengths = [len(k) for k in keys]
+    return layout.pack(layout.size - 4 + len(body), seqno, op, len(docid), *lengths) + body
 
 
 def encode_mutations(vbucket: int, nkeys: int, records: Sequence[bytes]) -> bytes:

@@ -60,3 +60,28 @@ def test_equal_scalars_of_other_types_keep_their_own_keys() -> None:
     encoder = RecordEncoder([p.IndexDefinition("c", ("c",))])
     for value in (1, True, 1.0, "1", 0, False, None):
         assert encoder.keys(Document("d", {"c": value})) == (index_key({"c": value}, ("c",)),)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(st.none(), documents), min_size=1, max_size=8),
+    st.sampled_from([p.DEFAULT_MAX_FRAME_BYTES, 160]),
+)
+def test_records_of_stored_items_are_those_of_their_parsed_documents(
+    bodies: list[dict[str, Any] | None], max_frame_bytes: int
+) -> None:
+    """A Mutation Manager item (seqno, docid, payload) encodes as its document parsed would: a
+    delete without a payload, keys read from the line, and a line that is not strict JSON
+    (NaN), a path through a non-object or a record over a small frame the full way."""
+    import json
+
+    encoder = RecordEncoder(INDEXES, max_frame_bytes)
+    items: list[tuple[int, bytes, bytes | None]] = []
+    expected = []
+    reference_encoder = RecordEncoder(INDEXES, max_frame_bytes)
+    for i, body in enumerate(bodies):
+        docid = f"d{i}é"
+        line = None if body is None else json.dumps({"id": docid, "doc": body}).encode()
+        items.append((i + 1, docid.encode(), line))
+        expected.append(reference_encoder.record(i + 1, Document(docid, body)))
+    assert encoder.stored_records(items) == expected

@@ -57,7 +57,13 @@ from indexer.router.streams.feed import (
     exchange_handshake,
     send_chunks,
 )
-from indexer.router.streams.records import BATCH_RECORDS, SEND_BYTES, RecordEncoder, batch_bytes
+from indexer.router.streams.records import (
+    BATCH_RECORDS,
+    SEND_BYTES,
+    RecordEncoder,
+    batch_bytes,
+    record_frames,
+)
 from indexer.router.streams.shared_frames import SharedFrames
 
 log = logging.getLogger("indexer.router")
@@ -136,15 +142,6 @@ def stored_bytes(item: Item) -> bytes:
     if item.payload is None:
         return encode_document(Document(item.docid.decode(), None))
     return item.payload
-
-
-def document_of(item: Item) -> Document:
-    """The document a Mutation Manager item holds (its payload is the source log's encoding)."""
-    if item.payload is None:
-        return Document(item.docid.decode(), None)
-    # A memory payload is an upsert in the JSONL shape (deletes have none): its id is the item's,
-    # and its body is parsed only if an index needs more than the line's paths.
-    return Document.from_line(item.docid.decode(), item.payload)
 
 
 class NodeCursors:
@@ -248,17 +245,14 @@ class NodeCursors:
             key = (self.encoding, vb, self.source.vbuuid(vb), snapshot.start, snapshot.end)
             pieces = shared.get(key) if shared is not None else None
             if pieces is None:
-                versions = self._versions(vb, snapshot.items)
-                pieces = list(
-                    snapshot_frames(
-                        self.records,
-                        self.batch_bytes,
-                        self.batch_records,
-                        vb,
-                        snapshot.start,
-                        snapshot.end,
-                        versions,
-                    )
+                pieces = record_frames(
+                    self.records.nkeys,
+                    self.batch_bytes,
+                    self.batch_records,
+                    vb,
+                    snapshot.start,
+                    snapshot.end,
+                    self._records(vb, snapshot.items),
                 )
                 if shared is not None:
                     shared.put(key, pieces)
@@ -278,14 +272,17 @@ class NodeCursors:
             self.sent += chunk.kept
             yield from self._begin(chunk.vbucket, chunk.pieces)
 
-    def _versions(self, vb: int, items: Sequence[Item]) -> list[tuple[int, Document]]:
-        """(seqno, document) of each item: parsed at its append if still at hand, else from
-        its payload."""
-        if self.recent is None:
-            return [(item.seqno, document_of(item)) for item in items]
-        found = self.recent.documents(vb, items)
+    def _records(self, vb: int, items: Sequence[Item]) -> list[bytes]:
+        """The record of each item: from its document parsed at its append if still at hand,
+        else from its payload."""
+        records = self.records
+        found = self.recent.documents(vb, items) if self.recent is not None else None
+        if found is None or not any(document is not None for document in found):
+            return records.stored_records(items)
         return [
-            (item.seqno, document if document is not None else document_of(item))
+            records.record(item.seqno, document, item.docid)
+            if document is not None
+            else records.stored_records((item,))[0]
             for item, document in zip(items, found, strict=True)
         ]
 

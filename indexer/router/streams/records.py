@@ -179,11 +179,36 @@ class RecordEncoder:
             keys.append(key)
         return tuple(keys)
 
+    def stored_records(self, items: Sequence[tuple[int, bytes, bytes | None]]) -> list[bytes]:
+        """The records of Mutation Manager items, (seqno, docid, payload): a delete has no
+        payload, an upsert's is its line in the JSONL shape. Keys are read from the line
+        without a document where they can be; anything else takes `record`'s way."""
+        paths = self._line_paths
+        deleted = (b"",) * self.nkeys
+        limit = self.max_record_bytes
+        out: list[bytes] = []
+        for seqno, docid, payload in items:
+            if payload is None:
+                out.append(p.encode_record_of(seqno, docid, deleted, True))
+                continue
+            if paths is not None:
+                try:
+                    keys = self._keys_of(paths.read(payload))
+                except (Unreadable, KeyEncodingError, RecursionError):
+                    pass  # a path through a non-object, a key beyond encoding: the full way
+                else:
+                    record = p.encode_record_of(seqno, docid, keys, False)
+                    if len(record) <= limit:
+                        out.append(record)
+                        continue
+            out.append(self.record(seqno, Document.from_line(docid.decode(), payload), docid))
+        return out
+
     def record(self, seqno: int, document: Document, docid: bytes | None = None) -> bytes:
         """The MUTATIONS record of `document` at `seqno` (`docid`: its id, already encoded)."""
         docid = document.docid.encode() if docid is None else docid
         keys = self.keys(document, seqno)
-        record = p.encode_record(p.Mutation(seqno, docid, keys, document.deleted))
+        record = p.encode_record_of(seqno, docid, keys, document.deleted)
         if len(record) > self.max_record_bytes:
             return self._fit(seqno, document, docid, keys, len(record))
         return record
@@ -205,7 +230,7 @@ class RecordEncoder:
                 f"its key takes {len(keys[i]):,} bytes, more than a frame of this node carries "
                 f"(server.max_frame_bytes = {self.max_frame_bytes:,})",
             )
-        return p.encode_record(p.Mutation(seqno, docid, tuple(fitted), document.deleted))
+        return p.encode_record_of(seqno, docid, tuple(fitted), document.deleted)
 
     def _report(self, docid: str, seqno: int, index: str, why: str) -> None:
         """One log line per document left out of an index (per encoder, bounded memory)."""
@@ -237,13 +262,25 @@ def snapshot_frames(
     """(frames, items): SNAPSHOT_MARKER(start, end), then the versions in MUTATIONS frames of at
     most `batch_records` records and `batch_bytes` bytes (pure; here so that its loop over the
     documents runs compiled)."""
+    encoded = [records.record(seqno, document) for seqno, document in versions]
+    return record_frames(records.nkeys, batch_bytes, batch_records, vb, start, end, encoded)
+
+
+def record_frames(
+    nkeys: int,
+    batch_bytes: int,
+    batch_records: int,
+    vb: int,
+    start: int,
+    end: int,
+    encoded: Sequence[bytes],
+) -> list[tuple[list[bytes], int]]:
+    """`snapshot_frames` of records already encoded, each within a frame."""
     pieces: list[tuple[list[bytes], int]] = []
     frames = [p.encode(p.SnapshotMarker(vb, start, end))]
-    nkeys = records.nkeys
     batch: list[bytes] = []
     size = 0
-    for seqno, document in versions:
-        record = records.record(seqno, document)  # never over a frame
+    for record in encoded:
         if batch and (len(batch) >= batch_records or size + len(record) > batch_bytes):
             frames.append(p.encode_mutations(vb, nkeys, batch))
             pieces.append((frames, len(batch)))
