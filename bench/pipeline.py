@@ -74,11 +74,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import psutil
 from common import (  # bench/common.py: run as `python bench/...`
     Daemon,
     Postgres,
     Router,
     RssSampler,
+    cpu_by_thread_kind,
     cpu_split,
     find_postgres,
     free_port,
@@ -195,6 +197,13 @@ class Node:
     persisted_at: float | None = None
     last: dict[str, int] = field(default_factory=dict)
     cpu_before: tuple[float, float] = (0.0, 0.0)
+    kinds_before: dict[str, float] = field(default_factory=dict)
+
+    def cpu_by_kind(self) -> dict[str, float]:
+        """The daemon's CPU seconds since `kinds_before`, by kind of thread."""
+        assert self.daemon.proc is not None
+        now = cpu_by_thread_kind(psutil.Process(self.daemon.proc.pid))
+        return {k: round(v - self.kinds_before.get(k, 0.0), 2) for k, v in now.items()}
 
     def poll(self, client: httpx.Client, now: float) -> None:
         """One `GET /stats`: note when each seqno sum first reached the target."""
@@ -283,6 +292,7 @@ def pipeline_run(
         nodes, cluster_map = start_nodes(layout, run_dir, inp)
         for node in nodes:
             node.cpu_before = node.daemon.cpu()
+            node.kinds_before = node.cpu_by_kind()
             if profile is not None:
                 assert node.daemon.proc is not None
                 spies.append(Profiler(node.daemon.proc.pid, profile / f"daemon-{node.name}.txt"))
@@ -308,6 +318,8 @@ def pipeline_run(
         done = max(node.persisted_at or 0.0 for node in nodes)
         router_own, router_children = tree_cpu(router.process)
         main_cpu, thread_cpu = cpu_split(router.process)
+        router_kinds = cpu_by_thread_kind(router.process)
+        daemon_kinds = [node.cpu_by_kind() for node in nodes]
         shard_cpu = [sum(tree_cpu(child)) for child in router.process.children()]
         daemon_cpu = [sum(node.daemon.cpu()) - sum(node.cpu_before) for node in nodes]
         stats = router.stats()
@@ -351,6 +363,8 @@ def pipeline_run(
         "router_main_cpu_s": round(main_cpu, 2),
         "router_thread_cpu_s": round(thread_cpu, 2),
         "router_children_cpu_s": round(router_children, 2),
+        "router_cpu_s_by_thread": {k: round(v, 2) for k, v in router_kinds.items()},
+        "daemon_cpu_s_by_thread": daemon_kinds,
         "router_process_cpu_s": [round(router_own, 2), *(round(c, 2) for c in shard_cpu)],
         "router_cpu_us_per_doc": round(router_cpu / inp.documents * 1e6, 1),
         "router_peak_rss_bytes": peak_rss,
@@ -385,6 +399,17 @@ def report_run(r: dict[str, Any]) -> None:
         f"({r['daemon_cpu_us_per_doc']} us/document); {r['items_sent']:,} items streamed "
         f"({r['items_backfilled']:,} from the log, {r['cursors_dropped']} cursors dropped)"
     )
+    kinds = [("router", r.get("router_cpu_s_by_thread") or {})]
+    kinds += [("daemon", k) for k in r.get("daemon_cpu_s_by_thread") or []]
+    if all(k for _, k in kinds):
+        say(
+            "  CPU by thread (main: trio's; trio: its worker threads; native: LevelDB's "
+            "compaction and other threads Python did not start): "
+            + "; ".join(
+                f"{who} main {k['main']:.2f} s, trio {k['trio']:.2f} s, native {k['native']:.2f} s"
+                for who, k in kinds
+            )
+        )
 
 
 # --------------------------------------------------------------------------------------------
