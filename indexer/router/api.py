@@ -103,6 +103,12 @@ class DocsApi:
             status = 401
             answer = {"error": "this router requires Authorization: Bearer TOKEN for changes"}
             headers.append((b"www-authenticate", b'Bearer realm="indexer-router"'))
+            # The refused request's body is read and dropped: answered with part of it unread,
+            # the server closes the connection after the answer, and a client that sent its
+            # next request on it meanwhile sees it disconnect without an answer.
+            _, too_large = await read_body(receive)
+            if too_large is not None:
+                headers.append((b"connection", b"close"))
         body = json.dumps(answer).encode() + b"\n"
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
