@@ -707,6 +707,9 @@ class FrameDecoder:
             raise self._error
         out: list[Message] = []
         buf = self._buffer
+        # A frame's payload is copied out once, through a view: slicing the bytearray itself
+        # made a bytearray, then bytes of it (two copies of every mutation).
+        view = memoryview(buf)
         pos = 0
         end = len(buf)
         try:
@@ -729,7 +732,7 @@ class FrameDecoder:
                 stop = pos + 4 + length
                 if stop > end:
                     break
-                out.append(decode_payload(mtype, bytes(buf[pos + 6 : stop])))
+                out.append(decode_payload(mtype, view[pos + 6 : stop].tobytes()))
                 pos = stop
         except ProtocolError as exc:
             self._error = exc
@@ -737,6 +740,8 @@ class FrameDecoder:
         except struct.error as exc:
             self._error = ProtocolError(ErrorCode.PROTOCOL, f"malformed frame: {exc}")
             pos = end
+        finally:
+            view.release()  # the bytearray cannot shrink while a view of it is held
         del buf[:pos]
         if not out and self._error is not None:
             raise self._error
