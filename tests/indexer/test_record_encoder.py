@@ -85,3 +85,10 @@ def test_records_of_stored_items_are_those_of_their_parsed_documents(
         items.append((i + 1, docid.encode(), line))
         expected.append(reference_encoder.record(i + 1, Document(docid, body)))
     assert encoder.stored_records(items) == expected
+    if max_frame_bytes == p.DEFAULT_MAX_FRAME_BYTES:
+        # And against the model: `index_key` of the body as written, not as any code re-read it.
+        for (seqno, docid, _), body, record in zip(items, bodies, expected, strict=True):
+            mutation = p.parse_record(record[4:], len(INDEXES))
+            assert (mutation.seqno, mutation.docid) == (seqno, docid)
+            assert mutation.deleted == (body is None)
+            assert mutation.keys == ((b"",) * len(INDEXES) if body is None else reference(body))
