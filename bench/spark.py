@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 from common import Daemon, Router, in_workdir, ratio, say, tree_cpu  # bench/common.py
@@ -116,6 +117,24 @@ def router_cpu(router: Router) -> float:
     return sum(tree_cpu(router.process))
 
 
+def spark_cpu() -> tuple[float, float]:
+    """CPU seconds so far of this process's Spark JVM itself, and of the Python workers under it
+    (live, and those reaped)."""
+    jvm = python = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "java" not in child.name():
+                continue
+            own = child.cpu_times()
+            jvm += own.user + own.system
+            for worker in child.children(recursive=True):
+                times = worker.cpu_times()
+                python += times.user + times.system + times.children_user + times.children_system
+        except psutil.Error:
+            continue
+    return jvm, python
+
+
 def jsonl_run(jsonl: Path, n: int, run_dir: Path, timeout: float) -> dict[str, Any]:
     daemon = Daemon.in_workdir(run_dir / "daemon").start()
     router = None
@@ -156,6 +175,10 @@ def writer_run(
         warm = spark.createDataFrame([(f"warm{i}", i) for i in range(WARM)], "id string, w int")
         warm.write.format("indexer").mode("append").option("router", url).option("id", "id").save()
         cpu_before = router_cpu(router)
+        assert daemon.proc is not None
+        daemon_process = psutil.Process(daemon.proc.pid)
+        daemon_before = sum(tree_cpu(daemon_process))
+        jvm_before, python_before = spark_cpu()
         started = time.time()
         (
             spark.read.parquet(str(parquet))
@@ -166,8 +189,10 @@ def writer_run(
             .save()
         )
         saved = time.time()
+        jvm_after, python_after = spark_cpu()
         done = wait_persisted(daemon, router, n + WARM, timeout)
         cpu = router_cpu(router) - cpu_before
+        daemon_cpu = sum(tree_cpu(daemon_process)) - daemon_before
         bulk = router.stats()["bulk"]
         router.stop_cleanly()
         if not keep_daemon:
@@ -187,6 +212,9 @@ def writer_run(
         "save_s": round(saved - started, 3),
         "per_s": round(n / seconds),
         "router_cpu_us": round(cpu / n * 1e6, 1),
+        "daemon_cpu_us": round(daemon_cpu / n * 1e6, 1),
+        "spark_jvm_cpu_us": round((jvm_after - jvm_before) / n * 1e6, 1),
+        "spark_python_cpu_us": round((python_after - python_before) / n * 1e6, 1),
         "bulk_requests": bulk["requests"] - 1,
     }
     return result, daemon if keep_daemon else None
@@ -268,7 +296,9 @@ def run(opts: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             writer_runs.append(result)
             say(f"round {round_ + 1}: Spark writer {result['per_s']:,} docs/s "
                 f"({result['seconds']} s, save() {result['save_s']} s, {result['bulk_requests']} "
-                f"bulks, router {result['router_cpu_us']:.1f} us/doc)")  # fmt: skip
+                f"bulks; CPU per document: router {result['router_cpu_us']:.1f} us, daemon "
+                f"{result['daemon_cpu_us']:.1f}, Spark's JVM {result['spark_jvm_cpu_us']:.1f}, "
+                f"Spark's Python workers {result['spark_python_cpu_us']:.1f})")  # fmt: skip
             if round_ == 0:
                 shutil.rmtree(workdir / "jsonl0", ignore_errors=True)
         assert last is not None

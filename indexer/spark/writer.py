@@ -34,13 +34,14 @@ except ImportError:  # pragma: no cover - depends on the installed Spark
     )
 
 from indexer.client import NDJSON, Access, ClientError, call_json, request
+from indexer.spark.batch_lines import batch_lines
 from indexer.spark.options import (
     IndexerSourceError,
     parse_access,
     seconds_option,
     whole_option,
 )
-from indexer.spark.rows import RowShape, lines_of, rows_of
+from indexer.spark.rows import RowLine, RowShape, lines_of, rows_of
 
 log = logging.getLogger("indexer.spark")
 
@@ -240,13 +241,17 @@ class IndexerWriter(DataSourceArrowWriter):
         pending: dict[str, _Pending] = {}
         number = 0  # of the row in the task
         for batch in iterator:
-            for row in lines_of(self.shape, rows_of(batch)):
+            built = batch_lines(self.shape, batch)  # column-wise, when it covers the batch
+            rows = lines_of(self.shape, rows_of(batch)) if built is None else map(RowLine, *built)
+            for row in rows:
                 number += 1
                 if row.line is None:
                     self._bad(commit, f"partition {task}, row {number}: {row.error}")
                     continue
                 url = self.owners.target(row.docid, task)
-                part = pending.setdefault(url, _Pending())
+                part = pending.get(url)
+                if part is None:
+                    part = pending[url] = _Pending()
                 part.lines.append(row.line)
                 part.ids.append(row.docid)
                 part.rows.append(number)
