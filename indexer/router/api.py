@@ -44,6 +44,7 @@ log = logging.getLogger("indexer.router")
 
 MAX_BODY = 1 << 20
 MAX_DOCID_BYTES = 250
+PARSE_SLICE_LINES = 4096  # of a bulk parsed between two checkpoints (about 20 ms)
 
 
 class DocsApi:
@@ -204,15 +205,23 @@ class DocsApi:
         body, error = await read_body(receive, self.bulk_max_bytes, "bulk")
         if error is not None:
             return error
-        lines = bulk.parse_bulk(bulk.split_lines(body))
+        numbered = bulk.split_lines(body)
+        del body
+        lines: list[bulk.BulkLine] = []
+        for start in range(0, len(numbered), PARSE_SLICE_LINES):
+            # A big bulk is parsed a slice at a time: the streams and the nodes' acks go on
+            # between (the JSONL input does the same per read).
+            lines += bulk.parse_bulk(numbered[start : start + PARSE_SLICE_LINES])
+            await trio.lowlevel.checkpoint()
         items: list[dict[str, Any]] = []
         mine: list[bulk.BulkLine] = []
         foreign: list[tuple[int, bytes]] = []
         source = self.appender.source
+        owns_all = source.vbuckets is None
         for line in lines:
             if line.document is None:
                 items.append(bulk.error_item(line, line.error or "bad line"))
-            elif self.appender.owns(line.document.docid):
+            elif owns_all or self.appender.owns(line.document.docid):
                 mine.append(line)
             elif self.parent_url is not None:
                 foreign.append((line.number, line.raw))

@@ -13,13 +13,16 @@ rows again, which is harmless: the latest version of a document wins.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import time
 import urllib.parse
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,6 +218,57 @@ class IndexerCommit(WriterCommitMessage):
     requests: int = 0
     skipped_sample: list[str] = field(default_factory=list)
 
+    def add(self, other: IndexerCommit) -> None:
+        """Count what another part of the task wrote too."""
+        self.documents += other.documents
+        self.deletes += other.deletes
+        self.skipped += other.skipped
+        self.requests += other.requests
+        room = SKIPPED_SAMPLE - len(self.skipped_sample)
+        self.skipped_sample.extend(other.skipped_sample[: max(room, 0)])
+
+
+class _PostInFlight:
+    """At most one bulk on its way while the task builds the next, so that Spark's side (the
+    rows read, their lines) and the router's (the lines parsed and appended) overlap instead
+    of taking turns. One at a time keeps the task's rows in order; each post's tally is added
+    to the task's commit on this thread, when the next waits for it."""
+
+    def __init__(self, commit: IndexerCommit) -> None:
+        self.commit = commit
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="indexer-writer-post")
+        self._future: Future[IndexerCommit] | None = None
+
+    def submit(self, post: Callable[[IndexerCommit], None]) -> None:
+        """Start `post` (with a tally of its own) once the one before it is done."""
+        self.wait()
+
+        def run() -> IndexerCommit:
+            tally = IndexerCommit()
+            post(tally)
+            return tally
+
+        self._future = self._pool.submit(run)
+
+    def wait(self) -> None:
+        """Until the bulk on its way is written (its error raised here)."""
+        future, self._future = self._future, None
+        if future is not None:
+            self.commit.add(future.result())
+
+    def __enter__(self) -> _PostInFlight:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self.wait()
+            elif self._future is not None:
+                self._future.cancel()
+                wait_for([self._future])
+        finally:
+            self._pool.shutdown(wait=True)
+
 
 @dataclass
 class _Pending:
@@ -238,6 +292,23 @@ class IndexerWriter(DataSourceArrowWriter):
         context = TaskContext.get()
         task = context.partitionId() if context is not None else 0
         commit = IndexerCommit()
+        with _PostInFlight(commit) as posts:
+            self._write_rows(iterator, task, commit, posts)
+        if commit.skipped:
+            log.warning(
+                "indexer writer: task %d skipped %d bad rows (on_error=skip); the first: %s",
+                task, commit.skipped, "; ".join(commit.skipped_sample),
+            )  # fmt: skip
+        return commit
+
+    def _write_rows(
+        self,
+        iterator: Iterator[Any],
+        task: int,
+        commit: IndexerCommit,
+        posts: _PostInFlight,
+    ) -> None:
+        """Lines of the task's rows, grouped by the router that owns each, posted in bulks."""
         pending: dict[str, _Pending] = {}
         number = 0  # of the row in the task
         for batch in iterator:
@@ -260,15 +331,9 @@ class IndexerWriter(DataSourceArrowWriter):
                     len(part.lines) >= self.options.batch_rows
                     or part.size >= self.options.batch_bytes
                 ):
-                    self._post(url, pending.pop(url), commit, task)
+                    posts.submit(functools.partial(self._post, url, pending.pop(url), task=task))
         for url, part in pending.items():
-            self._post(url, part, commit, task)
-        if commit.skipped:
-            log.warning(
-                "indexer writer: task %d skipped %d bad rows (on_error=skip); the first: %s",
-                task, commit.skipped, "; ".join(commit.skipped_sample),
-            )  # fmt: skip
-        return commit
+            posts.submit(functools.partial(self._post, url, part, task=task))
 
     def _bad(self, commit: IndexerCommit, error: str) -> None:
         if not self.options.skip_errors:
@@ -277,7 +342,7 @@ class IndexerWriter(DataSourceArrowWriter):
         if len(commit.skipped_sample) < SKIPPED_SAMPLE:
             commit.skipped_sample.append(error)
 
-    def _post(self, url: str, part: _Pending, commit: IndexerCommit, task: int) -> None:
+    def _post(self, url: str, part: _Pending, commit: IndexerCommit, *, task: int) -> None:
         """Post the lines, and again those the router could not take for now, until timeout.
         A refused line is named by its row in the task and its id, never by its line in the
         request (which the user never sees)."""

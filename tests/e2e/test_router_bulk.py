@@ -37,7 +37,8 @@ def test_bulk_appends_good_lines_and_answers_each_bad_one(
 ) -> None:
     daemon = daemon_factory().start()
     url = start(routers, tmp_path, daemon)
-    documents = list(generate(Workload(2_000, 600, 0.1, 7)))
+    # More lines than the router parses in one slice (PARSE_SLICE_LINES): bad ones in each.
+    documents = list(generate(Workload(5_000, 1_500, 0.1, 7)))
     lines = jsonl_lines(documents)
     bad = {
         3: "not json at all\n",
@@ -45,6 +46,8 @@ def test_bulk_appends_good_lines_and_answers_each_bad_one(
         11: '{"id": "x::nan", "doc": {"age": NaN}}\n',
         500: '{"id": "x::exp", "doc": {"_exp": "tomorrow"}}\n',
         1999: '{"id": "", "doc": {}}\n',
+        4097: "[4097]\n",
+        5004: '{"id": "x::last", "doc": []}\n',
     }
     for number, line in sorted(bad.items()):
         lines.insert(number - 1, line)

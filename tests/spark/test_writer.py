@@ -166,6 +166,24 @@ def test_parquet_with_nulls_structs_arrays_and_timestamps_equals_the_model(
     assert isinstance(seen, str) and seen.startswith("2025-01-01T") and seen.endswith("+00:00")
 
 
+def test_versions_of_a_document_in_one_task_keep_their_order_across_bulks(
+    spark: SparkSession, node: Node
+) -> None:
+    # A task builds its next bulk while the one before is on its way: five versions of each
+    # document, in bulks of 70 rows, must still end with the last version.
+    rows = [
+        {**row, "id": "v" + row["id"]}
+        for version in range(5)
+        for row in people(range(100), version, deletes=1)
+    ]
+    df = spark.createDataFrame(rows, SCHEMA).coalesce(1)
+    write(df, node.url, delete="deleted", wait="visible", batch_rows="70")
+    documents = [expected(row) for row in rows]
+    for name, paths in INDEXES.items():
+        got = [e for e in scan(node.daemon, name, "any") if e["id"].startswith("vp")]
+        assert got == model(documents, paths), name
+
+
 def test_a_task_failed_by_a_router_restart_runs_again_and_the_result_is_the_same(
     spark: SparkSession, node: Node
 ) -> None:
