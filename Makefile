@@ -51,8 +51,11 @@ demo: $(STAMP) $(COMPILED_STAMP) check-java
 # Three processes, a test file each at a time (a file's tests share its SparkSession or
 # server): most tests wait on daemons, routers and fsyncs more than they compute.
 TEST_PROCESSES ?= 3
+# The slowest tests are printed at the end (docs/testing.md keeps their table); PYTEST_ARGS adds
+# to the call (say PYTEST_ARGS=--junitxml=times.xml for every test's time).
+PYTEST_ARGS ?=
 test: $(STAMP) $(COMPILED_STAMP) check-java check-postgres lint
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
