@@ -1,28 +1,49 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use,
+# saying in one line per step what they wait on.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SPARK_STAMP := $(VENV)/.spark-installed
 
-.PHONY: demo test lint bench check-python check-java check-postgres clean fuzz compiled
+.PHONY: demo test check lint bench check-python check-java check-postgres clean fuzz compiled
 
-$(STAMP): pyproject.toml
+# The project, editable, with the test tools; pure Python here (INDEXER_MYPYC=0): the hot modules
+# are compiled in place below, again whenever one changes. No .pyc files at install (--no-compile):
+# Python writes those of the modules it imports, and most of what is installed is never imported.
+PIP_INSTALL := INDEXER_MYPYC=0 $(BIN)/pip install --quiet --no-compile --no-build-isolation
+
+$(STAMP): pyproject.toml setup.py
 	@$(MAKE) --no-print-directory check-python
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip 'setuptools>=77.0.3'
-	$(BIN)/pip install --quiet -e '.[test,spark]'
-	touch $(STAMP)
+	@echo "== setup: .venv, with the project and its test tools (from PyPI the first time)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --upgrade pip 'setuptools>=77.0.3'
+	@$(PIP_INSTALL) -e '.[test]'
+	@touch $(STAMP)
+
+# PySpark for the Spark jobs: a 450 MB download the first time, which runs while the hot modules
+# compile (make -j2 below).
+$(SPARK_STAMP): $(STAMP)
+	@echo "== setup: pyspark (a 450 MB download the first time)"
+	@$(PIP_INSTALL) -e '.[test,spark]'
+	@touch $(SPARK_STAMP)
 
 # The hot modules compiled with mypyc (scripts/compile.py), in place beside their sources; again
 # whenever one of them changes. Needs a C compiler: the build says so in one line if there is none.
 COMPILED_STAMP := $(VENV)/.compiled
 COMPILED_SOURCES := $(shell $(PYTHON) scripts/compile.py --list)
 
-$(COMPILED_STAMP): $(STAMP) scripts/compile.py $(COMPILED_SOURCES)
-	$(BIN)/python scripts/compile.py
-	touch $(COMPILED_STAMP)
+$(COMPILED_STAMP): $(STAMP) setup.py scripts/compile.py $(COMPILED_SOURCES)
+	@echo "== setup: compiling the hot modules with mypyc (scripts/compile.py, about a minute)"
+	@$(BIN)/python scripts/compile.py
+	@touch $(COMPILED_STAMP)
 
 compiled: $(COMPILED_STAMP)
+
+# Everything the demo and the tests run on: pyspark's download and the compile side by side.
+.PHONY: setup
+setup: $(STAMP)
+	@$(MAKE) --no-print-directory -j2 $(SPARK_STAMP) $(COMPILED_STAMP)
 
 check-python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -45,8 +66,8 @@ check-java:
 	  echo "       install a JDK (for example: apt-get install openjdk-17-jre-headless)" >&2; \
 	  exit 1; }
 
-demo: $(STAMP) $(COMPILED_STAMP) check-java
-	$(BIN)/python scripts/demo.py
+demo: setup check-java
+	@$(BIN)/python scripts/demo.py
 
 # Three processes, a test file each at a time (a file's tests share its SparkSession or
 # server): most tests wait on daemons, routers and fsyncs more than they compute.
@@ -54,8 +75,20 @@ TEST_PROCESSES ?= 3
 # The slowest tests are printed at the end (docs/testing.md keeps their table); PYTEST_ARGS adds
 # to the call (say PYTEST_ARGS=--junitxml=times.xml for every test's time).
 PYTEST_ARGS ?=
-test: $(STAMP) $(COMPILED_STAMP) check-java check-postgres lint
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=25 $(PYTEST_ARGS)
+test: setup check-java check-postgres lint
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+
+# The inner loop of a change (docs/testing.md), in about 3 minutes: lint, the unit tests (no
+# daemon, router or Spark process) and a thin end-to-end slice of the user's path: a feed into a
+# daemon, persisted and scanned; a router's bulk, readable once answered; a Spark read of a
+# pinned snapshot. `make test` runs all of it and the rest.
+CHECK_TESTS := tests/indexer tests/slab tests/workers tests/powercut tests/test_architecture.py \
+  tests/e2e/test_ingest.py::test_feed_persists_every_entry_and_a_replay_sends_nothing \
+  tests/e2e/test_http.py::test_scans_ranges_limits_and_arrow_equal_the_model \
+  tests/e2e/test_router_bulk.py::test_wait_visible_answers_once_the_daemon_can_read_the_bulk \
+  tests/spark/test_spark.py::test_dataframe_equals_the_ndjson_scan_and_the_model
+check: setup check-java lint
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=10 $(CHECK_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -68,10 +101,10 @@ BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_ARGS ?=
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml
-	$(BIN)/pip install --quiet -e '.[bench]'
+	$(PIP_INSTALL) -e '.[test,spark,bench]'
 	touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP)
+bench: setup $(BENCH_STAMP)
 	$(BIN)/python bench/report.py $(BENCH_ARGS)
 
 clean:
@@ -93,5 +126,5 @@ SOAK_SEED ?= 1
 SOAK_POWER ?= 0.5
 SOAK_ONLY ?=
 .PHONY: soak
-soak: $(STAMP)
+soak: setup
 	$(BIN)/python -m tests.e2e.soak --parallel --faults $(SOAK_FAULTS) --seed $(SOAK_SEED) --power-cuts $(SOAK_POWER) $(if $(SOAK_ONLY),--only $(SOAK_ONLY))

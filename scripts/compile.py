@@ -13,31 +13,34 @@ A C compiler is needed (cc, or $CC): the build stops with one line if there is n
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-import shutil
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Where bench/pipeline.py --profile puts the CPU per document (docs/performance.md): the key
-# codec, the record and frame codecs, the router's Mutation Manager and source log, the flush's
-# per-mutation loop, the slab pool and ring; and the PostgreSQL source's message decoder.
-COMPILED = (
-    "indexer/keys.py",
-    "indexer/protocol.py",
-    "indexer/router/source/mutations.py",
-    "indexer/router/source/log.py",
-    "indexer/router/streams/records.py",
-    "indexer/router/inputs/postgres/pgoutput.py",
-    "workers/flush.py",
-    "slab/pool.py",
-    "slab/ring.py",
-)
-# The group's shared library, inside the package (indexer/hot__mypyc.<suffix>): importable
-# wherever the package is, whatever the working directory (the console scripts, Spark's workers).
-GROUP = "indexer.hot"
+
+def _setup_script() -> Any:
+    """setup.py as a module: the mypyc build of the hot modules, shared with the wheel's build."""
+    spec = importlib.util.spec_from_file_location("indexer_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _hot_modules() -> tuple[list[str], str]:
+    """The sources mypyc compiles and the name of their shared library (pyproject's
+    [tool.indexer.mypyc], which setup.py reads too)."""
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["indexer"]["mypyc"]
+    return list(table["modules"]), str(table["group"])
+
+
+COMPILED, GROUP = _hot_modules()
 
 
 def suffix() -> str:
@@ -68,27 +71,22 @@ def clean() -> None:
     (ROOT / f"indexer_hot__mypyc{suffix()}").unlink(missing_ok=True)  # where an older build put it
 
 
-def compiler() -> str | None:
-    name = os.environ.get("CC", "cc").split()[0]
-    return shutil.which(name) or shutil.which("gcc")
-
-
 def build() -> int:
-    if compiler() is None:
+    setup_script = _setup_script()
+    if setup_script.compiler() is None:
         print(
             "error: no C compiler (cc) to compile the hot modules with mypyc: install one "
             "(Debian: apt-get install gcc), or run the pure-Python modules as they are",
             file=sys.stderr,
         )
         return 1
-    from mypyc.build import mypycify
     from setuptools import setup
 
     os.chdir(ROOT)
     clean()  # a module left out of the group must not keep an old build
     setup(
         name="indexer-compiled",
-        ext_modules=mypycify(list(COMPILED), opt_level="3", group_name=GROUP),
+        ext_modules=setup_script.hot_extensions(),
         script_args=["--quiet", "build_ext", "--inplace", "--build-temp", "build/mypyc"],
     )
     missing = [source for source in COMPILED if not built(source).exists()]

@@ -27,3 +27,36 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             "or python scripts/compile.py --clean for the pure-Python modules",
             returncode=2,
         )
+
+
+# The files that take longest (docs/testing.md keeps their table), in that order. `make test`
+# hands whole files to its test processes in collection order (--dist loadfile), so these go
+# first: a long file started last would run on alone after the others finish.
+LONGEST_FIRST = (
+    "tests/spark/test_standalone_cluster.py",
+    "tests/e2e/test_power_loss.py",
+    "tests/test_packaging.py",
+    "tests/spark/test_writer.py",
+    "tests/spark/test_spark.py",
+    "tests/spark/test_stream.py",
+    "tests/e2e/test_postgres_source.py",
+    "tests/fuzz/test_protocol_model.py",
+    "tests/e2e/test_deferred_build.py",
+    "tests/e2e/test_ingest.py",
+    "tests/e2e/test_index_build.py",
+    "tests/e2e/test_router_shards.py",
+    "tests/e2e/test_faults.py",
+    "tests/security/test_tls.py",
+    "tests/test_pure_python.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+
+    def file_of(item: pytest.Item) -> str:
+        return Path(item.path).relative_to(ROOT).as_posix()
+
+    # sort is stable: within a file, and among the other files, collection order stays.
+    items.sort(key=lambda item: rank.get(file_of(item), len(rank)))
