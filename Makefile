@@ -126,5 +126,11 @@ SOAK_SEED ?= 1
 SOAK_POWER ?= 0.5
 SOAK_ONLY ?=
 .PHONY: soak
+# Then the larger versions of the suite's own cases (marked `soak`: more cuts, kills and rounds),
+# and its property and fuzz tests with SOAK_EXAMPLES times their examples and fuzzing time
+# (tests/budget.py). SOAK_ONLY skips these.
+SOAK_EXAMPLES ?= 10
 soak: setup
 	$(BIN)/python -m tests.e2e.soak --parallel --faults $(SOAK_FAULTS) --seed $(SOAK_SEED) --power-cuts $(SOAK_POWER) $(if $(SOAK_ONLY),--only $(SOAK_ONLY))
+	$(if $(SOAK_ONLY),,$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile -m soak)
+	$(if $(SOAK_ONLY),,INDEXER_TEST_EXAMPLES=$(SOAK_EXAMPLES) $(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile tests/indexer tests/slab tests/workers tests/fuzz tests/spark/test_batch_lines.py tests/spark/test_rows.py)

@@ -20,9 +20,14 @@ from hypothesis import strategies as st
 
 from indexer import protocol as p
 from indexer.protocol import ErrorCode, FrameDecoder, MessageType, ProtocolError
+from tests.budget import examples
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SOME = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+SOME = settings(
+    max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 HEADER = struct.Struct(">IBB")
 SMALL_MAX = 512  # a frame limit the fuzzed lengths actually reach

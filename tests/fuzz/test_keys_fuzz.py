@@ -27,10 +27,15 @@ from indexer.keys import (
     entry_tail,
     split_entry,
 )
+from tests.budget import examples
 from tests.indexer.test_keys import bytes_cmp, sign
 
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SOME = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+SOME = settings(
+    max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 # ---------------------------------------------------------------------------------------------

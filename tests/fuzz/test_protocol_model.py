@@ -40,6 +40,7 @@ from indexer import protocol as p
 from indexer.keys import index_key
 from indexer.protocol import ErrorCode
 from indexer.router.documents import Document, vbucket_of
+from tests.budget import examples
 from tests.e2e.conftest import Daemon, free_port, model, write_config
 
 pytestmark = pytest.mark.e2e
@@ -60,7 +61,7 @@ BAD = ErrorCode.BAD_MUTATION
 BAD_HANDSHAKE = ErrorCode.BAD_HANDSHAKE
 PROTOCOL = ErrorCode.PROTOCOL
 MACHINE_SETTINGS = settings(
-    max_examples=25,
+    max_examples=examples(25),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -126,13 +127,15 @@ def record_frame(vb: int, nkeys: int, mutation: p.Mutation) -> bytes:
 
 class FeedDaemon:
     """The daemon of the whole run; it is started again (fresh data) only once every vbucket
-    has been used by an example."""
+    has been used by an example. One HTTP client serves every example's scans and /stats calls
+    (a client per request would build its TLS context each time, most of a step's time)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.daemon: Daemon | None = None
         self.unused: list[int] = []
         self.starts = 0
+        self.http = httpx.Client(timeout=WAIT_S)
 
     def take(self, count: int) -> tuple[Daemon, list[int]]:
         """The daemon and `count` vbuckets no example has streamed on it."""
@@ -163,13 +166,20 @@ class FeedDaemon:
             assert self.daemon.stop() == 0, self.daemon.log()[-4000:]
         self.daemon = None
 
+    def close(self) -> None:
+        """Stop the daemon, then close the HTTP client."""
+        try:
+            self.stop()
+        finally:
+            self.http.close()
+
 
 @pytest.fixture(scope="module")
 def feed_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FeedDaemon]:
     """One daemon for the module's examples, stopped cleanly (exit status 0) at the end."""
     pool = FeedDaemon(tmp_path_factory.mktemp("feed-model"))
     yield pool
-    pool.stop()
+    pool.close()
 
 
 class Link:
@@ -278,6 +288,7 @@ class FeedMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.daemon, numbers = self.pool.take(VBUCKETS_PER_EXAMPLE)
+        self.http = self.pool.http
         ids = docids_by_vbucket()
         self.vbs = [Vbucket(vb, ids[vb]) for vb in numbers]
         self.cookies = itertools.count(1)
@@ -351,7 +362,7 @@ class FeedMachine(RuleBasedStateMachine):
         """Until the daemon has dropped every connection of this example."""
         deadline = time.monotonic() + WAIT_S
         while True:
-            stats = httpx.get(self.daemon.url + "/stats", timeout=WAIT_S).json()
+            stats = self.http.get(self.daemon.url + "/stats").json()
             if stats["reader"]["connections"] == 0:
                 return
             assert time.monotonic() < deadline, "the daemon keeps a closed connection"
@@ -526,9 +537,7 @@ class FeedMachine(RuleBasedStateMachine):
         if at_plus is not None:
             params["at_plus"] = at_plus
         for index in self.indexes:
-            answer = httpx.get(
-                f"{self.daemon.url}/indexes/{index.name}/scan", params=params, timeout=WAIT_S
-            )
+            answer = self.http.get(f"{self.daemon.url}/indexes/{index.name}/scan", params=params)
             assert answer.status_code == 200, answer.text
             rows = [json.loads(line) for line in answer.text.splitlines() if line]
             got = [r for r in rows if vbucket_of(r["id"].encode(), NUM_VBUCKETS) in numbers]
@@ -759,7 +768,7 @@ class FeedMachine(RuleBasedStateMachine):
             self.link.close()
             self.link = None
         assert self.daemon.running, self.daemon.log()[-4000:]
-        assert httpx.get(self.daemon.url + "/health", timeout=WAIT_S).status_code == 200
+        assert self.http.get(self.daemon.url + "/health").status_code == 200
         log = self.daemon.log()
         assert "internal error" not in log and "Traceback" not in log, log[-4000:]
         self.wait_released()

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from indexer.router.documents import Document, DocumentError, parse_line, quick_document
 from indexer.router.expiry import with_absolute_expiry
 from indexer.router.inputs.lines import parse_lines, parse_numbered
+from tests.budget import examples
 
 
 def checked(number: int, raw: bytes) -> Document | str | None:
@@ -86,7 +87,7 @@ def lines(draw: st.DrawFn) -> bytes:
     return (pad + text + pad).encode()
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(lines(), st.integers(min_value=1, max_value=10**6))
 def test_a_line_parses_the_same_by_either_path(raw: bytes, number: int) -> None:
     expected = checked(number, raw)

@@ -17,6 +17,7 @@ from indexer.keys import MISSING
 from indexer.router.documents import Document, decode_document, encode_document, quick_document
 from indexer.router.streams.paths import LinePaths, Unreadable
 from indexer.router.streams.records import RecordEncoder
+from tests.budget import examples
 
 NAMES = ("a", "b", "c", "_exp", "class", "é")
 
@@ -76,7 +77,7 @@ def same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(documents, paths, st.booleans(), st.booleans())
 def test_paths_read_from_the_line_are_the_full_parse_s(
     doc: dict[str, Any], wanted: list[tuple[str, ...]], ascii_only: bool, spaced: bool
@@ -94,7 +95,7 @@ def test_paths_read_from_the_line_are_the_full_parse_s(
     assert all(same(g, e) for g, e in zip(got, expected, strict=True)), (line, got, expected)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(number_texts, st.booleans())
 def test_numbers_read_from_the_line_are_the_full_parse_s(text: str, nested: bool) -> None:
     raw = (
@@ -124,7 +125,7 @@ def test_duplicate_fields_read_as_the_full_parse_reads_them_the_last_one() -> No
     assert LinePaths([("a", "b"), ("a",)]).read(raw) == [4, {"b": 4}]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(documents, st.booleans())
 def test_a_document_kept_in_its_line_has_the_keys_of_its_parsed_body(
     doc: dict[str, Any], ascii_only: bool

@@ -12,6 +12,7 @@ from indexer import protocol as p
 from indexer.keys import KeyEncodingError, index_key
 from indexer.router.documents import Document
 from indexer.router.streams.records import RecordEncoder
+from tests.budget import examples
 
 INDEXES = [
     p.IndexDefinition("ab_c", ("a.b", "c")),
@@ -48,7 +49,7 @@ def reference(body: dict[str, Any]) -> tuple[bytes, ...]:
     return tuple(keys)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(documents, min_size=1, max_size=8))
 def test_the_fast_path_gives_the_keys_of_index_key(bodies: list[dict[str, Any]]) -> None:
     encoder = RecordEncoder(INDEXES)
@@ -62,7 +63,7 @@ def test_equal_scalars_of_other_types_keep_their_own_keys() -> None:
         assert encoder.keys(Document("d", {"c": value})) == (index_key({"c": value}, ("c",)),)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.lists(st.one_of(st.none(), documents), min_size=1, max_size=8),
     st.sampled_from([p.DEFAULT_MAX_FRAME_BYTES, 160]),

@@ -12,6 +12,7 @@ from indexer import protocol as p
 from indexer.keys import encode_key
 from indexer.recovery import RecoveryPoints, prune, restore, rollback_seqno, undo_tags
 from indexer.storage import IndexStore
+from tests.budget import examples
 from workers.flush import BackIndexCache, IndexWriter
 
 DEFS = [p.IndexDefinition("by_city", ("city",)), p.IndexDefinition("by_age", ("age",))]
@@ -48,7 +49,7 @@ def histories(draw: st.DrawFn) -> list[tuple[str, int]]:
     return [*events, ("look", 0)]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(histories(), st.data())
 def test_rollback_seqno_finds_the_longest_common_history(
     events: list[tuple[str, int]], data: st.DataObject

@@ -15,6 +15,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 
 from indexer.spark.batch_lines import batch_lines
 from indexer.spark.rows import RowShape, lines_of, rows_of
+from tests.budget import examples
 
 _FIRST = datetime.datetime(1, 1, 1)
 _LAST = datetime.datetime(9999, 12, 31, 23, 59, 59, 999999)
@@ -114,7 +115,7 @@ def per_row(shape: RowShape, batch: pa.RecordBatch) -> tuple[list[bytes | None],
     return [r.line for r in rows], [r.docid for r in rows]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(batches(covered_only=False))
 def test_column_wise_lines_are_the_per_row_lines(case: tuple[pa.RecordBatch, RowShape]) -> None:
     batch, shape = case
@@ -126,7 +127,7 @@ def test_column_wise_lines_are_the_per_row_lines(case: tuple[pa.RecordBatch, Row
     assert built == (lines, docids)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(70), deadline=None)
 @given(batches(covered_only=True))
 def test_covered_batches_are_built_column_wise(case: tuple[pa.RecordBatch, RowShape]) -> None:
     batch, shape = case

@@ -35,6 +35,7 @@ from pyspark.sql.types import (
 from indexer.spark.options import IndexerSourceError
 from indexer.spark.rows import BadRow, RowShape, iso_timestamps, lines_of, rows_of
 from indexer.spark.writer import WriterOptions, find_owners
+from tests.budget import examples
 
 
 def struct(**fields: DataType) -> StructType:
@@ -188,7 +189,7 @@ _FIRST = datetime.datetime(1, 1, 1)
 _LAST = datetime.datetime(9999, 12, 31, 23, 59, 59, 999999)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.lists(
         st.one_of(

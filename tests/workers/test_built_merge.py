@@ -92,9 +92,14 @@ def check(cache: BackIndexCache, store: IndexStore, indexes: list[StoredIndex]) 
 )
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("prepared", [True, False])
+@pytest.mark.parametrize(
+    "docs", [pytest.param(3_000), pytest.param(12_000, marks=pytest.mark.soak)]
+)
 def test_merged_cache_agrees_with_the_store(
-    tmp_path: Path, main_capacity: int, build_capacity: int, seed: int, prepared: bool
+    tmp_path: Path, main_capacity: int, build_capacity: int, seed: int, prepared: bool, docs: int
 ) -> None:
+    """`docs` documents, written 2.5 times each on average: 300 entries are a cache too small
+    for them, 50,000 one that holds them all; 100 documents a slice give many slices."""
     rng = random.Random(seed)
     with IndexStore(tmp_path) as store:
         active = store.ensure_indexes(ACTIVE)
@@ -103,8 +108,8 @@ def test_merged_cache_agrees_with_the_store(
         build_cache = BackIndexCache(build_capacity, 1)
         main = IndexWriter(store, active, main_cache)
         build = IndexWriter(store, [built], build_cache)
-        writes = Writes(rng, 12_000, main, build)
-        for _ in range(60):
+        writes = Writes(rng, docs, main, build)
+        for _ in range(docs // 200):
             writes.batch(500)
         merge = None
         if prepared:
@@ -138,8 +143,9 @@ def test_merged_cache_agrees_with_the_store(
     ("main_capacity", "build_capacity"), [(50_000, 50_000), (300, 50_000), (50_000, 300)]
 )
 @pytest.mark.parametrize("seed", [4, 5])
+@pytest.mark.parametrize("docs", [pytest.param(2_000), pytest.param(6_000, marks=pytest.mark.soak)])
 def test_a_build_of_several_indexes_merges_a_column_for_each(
-    tmp_path: Path, main_capacity: int, build_capacity: int, seed: int
+    tmp_path: Path, main_capacity: int, build_capacity: int, seed: int, docs: int
 ) -> None:
     rng = random.Random(seed)
     with IndexStore(tmp_path) as store:
@@ -149,17 +155,20 @@ def test_a_build_of_several_indexes_merges_a_column_for_each(
         build_cache = BackIndexCache(build_capacity, len(built))
         writes = Writes(
             rng,
-            6_000,
+            docs,
             IndexWriter(store, active, main_cache),
             IndexWriter(store, built, build_cache),
             len(built),
         )
-        for _ in range(20):
+        for _ in range(docs // 300):
             writes.batch(500)
         merge = BuiltIndexMerge(main_cache, build_cache)
         merge.slice_docs = 100
+        steps = 0
         while merge.step(0):
             writes.batch(100)
+            steps += 1
+        assert steps >= 1  # the writes really came between slices
         main_cache.add_built_index(build_cache, merge)
         indexes = [*active, *built]
         check(main_cache, store, indexes)
