@@ -47,6 +47,19 @@ TAIL = 4000  # characters of a log quoted in a failure
 
 
 # ------------------------------------------------------------------------------------------------
+# HTTP
+
+
+@functools.cache
+def http() -> httpx.Client:
+    """One HTTP client for the whole test process. A client builds an SSL context and loads the
+    CA bundle when it is made (0.1-0.3 s of CPU), which every `httpx.get` pays again; a test
+    polling /stats that way spent most of its CPU there. No kept-alive connections: a daemon
+    killed and started again on its port must not meet a connection of its last life."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
+# ------------------------------------------------------------------------------------------------
 # Ports and commands
 
 
@@ -325,7 +338,7 @@ class Daemon:
 
     def stats(self, client: httpx.Client | None = None) -> dict[str, Any]:
         """Its `GET /stats`."""
-        answer = (client or httpx).get(f"{self.url}/stats", timeout=30)
+        answer = (client or http()).get(f"{self.url}/stats", timeout=30)
         assert answer.status_code == 200, answer.text
         stats: dict[str, Any] = answer.json()
         return stats
@@ -339,7 +352,7 @@ class Daemon:
         self, index: str, client: httpx.Client | None = None, consistency: str = "request_plus"
     ) -> int:
         """The entries of an index at `consistency`."""
-        answer = (client or httpx).get(
+        answer = (client or http()).get(
             f"{self.url}/indexes/{index}/count", params={"consistency": consistency}, timeout=60
         )
         assert answer.status_code == 200, f"count of {index}: {answer.status_code} {answer.text}"
@@ -389,7 +402,7 @@ class Router:
         return None
 
     def stats(self, client: httpx.Client | None = None) -> dict[str, Any]:
-        answer = (client or httpx).get(f"{self.url}/stats", timeout=30)
+        answer = (client or http()).get(f"{self.url}/stats", timeout=30)
         assert answer.status_code == 200, answer.text
         stats: dict[str, Any] = answer.json()
         return stats

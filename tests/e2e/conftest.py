@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router.documents import Document
@@ -25,6 +24,7 @@ from tests.harness import (
     Router,
     RssSampler,
     free_port,
+    http,
     indexer_command,
     model,
     write_config,
@@ -39,6 +39,7 @@ __all__ = [
     "Router",
     "RssSampler",
     "free_port",
+    "http",
     "indexer_command",
     "model",
     "write_config",
@@ -112,7 +113,7 @@ def routers(tmp_path: Path) -> Iterator[Any]:
 
 
 def scan(daemon: Daemon, name: str, consistency: str = "request_plus") -> list[dict[str, Any]]:
-    answer = httpx.get(
+    answer = http().get(
         f"{daemon.url}/indexes/{name}/scan", params={"consistency": consistency}, timeout=60
     )
     assert answer.status_code == 200, answer.text
