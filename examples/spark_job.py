@@ -76,7 +76,10 @@ def _cell(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: bool = True) -> int:
+    """Run the job on `argv` (the command line's by default); the exit status. With
+    `stop=False` its session stays up for the caller's next job: one application, one set of
+    executors."""
     args = arguments(argv)
     started = time.monotonic()
     spark = session(f"indexer-{args.index}", args.master)
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spark_job: error: {error_message(exc)}", file=sys.stderr)
         return 1
     finally:
-        spark.stop()
+        if stop:
+            spark.stop()
     show(top)
     print(f"{total} entries of index {args.index}, read from the {where}")
     print(f"written to {args.out} in {time.monotonic() - started:.1f} s")

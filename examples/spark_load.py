@@ -76,7 +76,10 @@ def stream(spark: SparkSession, args: argparse.Namespace) -> int:
     return sum(int(p["numInputRows"]) for p in query.recentProgress)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: bool = True) -> int:
+    """Run the job on `argv` (the command line's by default); the exit status. With
+    `stop=False` its session stays up for the caller's next job: one application, one set of
+    executors."""
     args = arguments(argv)
     started = time.monotonic()
     spark = session("indexer-load", args.master)
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spark_load: error: {error_message(exc)}", file=sys.stderr)
         return 1
     finally:
-        spark.stop()
+        if stop:
+            spark.stop()
     print(
         f"loaded {rows} rows of {args.parquet} through {args.router} "
         f"({args.wait}) in {time.monotonic() - started:.1f} s"

@@ -83,7 +83,10 @@ def run(spark: SparkSession, args: argparse.Namespace) -> Any:
     return query.lastProgress
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: bool = True) -> int:
+    """Run the job on `argv` (the command line's by default); the exit status. With
+    `stop=False` its session stays up for the caller's next job: one application, one set of
+    executors."""
     args = arguments(argv)
     started = time.monotonic()
     spark = session(f"indexer-stream-{args.index}", args.master)
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spark_stream: error: {error_message(exc)}", file=sys.stderr)
         return 1
     finally:
-        spark.stop()
+        if stop:
+            spark.stop()
     end = progress["sources"][0]["endOffset"] if progress else "(no new batch)"
     print(f"{rows} changes in {batches} micro-batches in {args.out}, up to offset {end}")
     print(f"{entries} entries of index {args.index} rebuilt from them")
