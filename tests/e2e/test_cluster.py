@@ -23,6 +23,10 @@ from tests.harness import write_cluster_map
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 
 def write_map(path: Path, nodes: dict[str, tuple[Daemon, str]]) -> Path:
     """A cluster map of running daemons, each with its vbucket range."""
@@ -75,7 +79,7 @@ def test_two_nodes_share_the_vbuckets_and_a_merged_scan_equals_the_model(
     wait_equal(a, owned_by(documents, 0, 511))
     wait_equal(b, owned_by(documents, 512, 1023))
     for daemon, count in ((a, 512), (b, 512)):
-        stats = httpx.get(f"{daemon.url}/stats").json()
+        stats = HTTP.get(f"{daemon.url}/stats").json()
         assert stats["vbuckets"]["owned"] == count, stats["vbuckets"]
     # The fanned-out scan merges both in index order and equals the model of everything.
     for name, paths in INDEXES.items():
@@ -128,7 +132,7 @@ def test_moving_vbuckets_between_nodes_loses_nothing(
     wait_equal(a, owned_by(documents, 0, 511))
     wait_equal(b, owned_by(documents, 512, 1023))
     name = next(iter(INDEXES))
-    before = httpx.get(f"{a.url}/indexes/{name}/changes", params={"since": "latest"})
+    before = HTTP.get(f"{a.url}/indexes/{name}/changes", params={"since": "latest"})
     assert before.status_code == 200, before.text
     # Rebalance: vbuckets 256-511 move from a to b while documents keep coming.
     write_map(tmp_path / "cluster.toml", {"a": (a, "0-255"), "b": (b, "256-1023")})
@@ -137,8 +141,8 @@ def test_moving_vbuckets_between_nodes_loses_nothing(
     documents += more
     wait_equal(a, owned_by(documents, 0, 255))
     wait_equal(b, owned_by(documents, 256, 1023))
-    assert httpx.get(f"{a.url}/stats").json()["vbuckets"]["owned"] == 256
-    assert httpx.get(f"{b.url}/stats").json()["vbuckets"]["owned"] == 768
+    assert HTTP.get(f"{a.url}/stats").json()["vbuckets"]["owned"] == 256
+    assert HTTP.get(f"{b.url}/stats").json()["vbuckets"]["owned"] == 768
     for name, paths in INDEXES.items():
         assert cluster_scan(cluster_map, name, "--consistency", "request_plus") == model(
             documents, paths
@@ -147,7 +151,7 @@ def test_moving_vbuckets_between_nodes_loses_nothing(
     # a deleted the entries of the vbuckets it gave away without history: its feed from
     # before the move would miss those deletes, so it answers 410.
     token = before.headers[NEXT_HEADER]
-    gone = httpx.get(f"{a.url}/indexes/{name}/changes", params={"since": token})
+    gone = HTTP.get(f"{a.url}/indexes/{name}/changes", params={"since": token})
     assert gone.status_code == 410 and "starts at snapshot" in gone.text, gone.text
     assert "cluster map: now 768 vbuckets here (+256, -0" in b.log()
     # After a restart, a keeps only its new slice (what it deleted stays deleted).
@@ -203,7 +207,7 @@ def test_the_changes_of_a_cluster_are_read_from_every_node_with_a_vector_token(
     documents += more
     token = caught_up(entries, token, "--limit", "100")
     for name, (daemon, _, _) in want.items():  # each part is that node's own token
-        latest = httpx.get(f"{daemon.url}/stats").json()["changes"]["latest"].split(".")
+        latest = HTTP.get(f"{daemon.url}/stats").json()["changes"]["latest"].split(".")
         part = decode_cluster_token(token)[name].split(".")
         assert part[0] == latest[0] and 1 < int(part[1]) <= int(latest[1])
     bad = subprocess.run(

@@ -37,6 +37,10 @@ from workers.flush import FAULT_ENOSPC_FILE, FAULT_SLOW_WRITE_MS
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 MiB = 1 << 20
 FAST_PERSIST: dict[str, dict[str, Any]] = {
     "snapshots": {"persist_interval_ms": 100, "in_memory_interval_ms": 20}
@@ -90,8 +94,8 @@ def test_a_router_gone_mid_frame_applies_nothing_partial_and_the_next_one_resume
             lambda n=n: daemon.log().count("connection closed inside a frame") > n,
         )
         assert daemon.running
-        assert httpx.get(f"{daemon.url}/health").status_code == 200
-        stats = daemon.stats()
+        assert HTTP.get(f"{daemon.url}/health").status_code == 200
+        stats = daemon.stats(HTTP)
         assert stats["vbuckets"]["received_seqno_sum"] == received, (cut, stats["vbuckets"])
         assert stats["reader"]["protocol_errors"] == n + 1
         applied = history.docs[vb][:received]
@@ -105,7 +109,7 @@ def test_a_router_gone_mid_frame_applies_nothing_partial_and_the_next_one_resume
     client.close()
     wait_equal(daemon, history.documents())
     # What it resent below the received position was skipped, not applied twice.
-    assert daemon.stats()["reader"]["duplicates_skipped"] == received - restart
+    assert daemon.stats(HTTP)["reader"]["duplicates_skipped"] == received - restart
     assert daemon.stop() == 0
     for name, paths in INDEXES.items():
         assert dump(daemon, name) == model(history.documents(), paths), name
@@ -167,7 +171,7 @@ def test_a_router_that_stops_reading_acks_blocks_only_itself(daemon_factory: Any
                 last, still_since = flooder.bytes, time.monotonic()
             time.sleep(0.1)
         assert flooder.bytes > 1 * MiB
-        taken = daemon.stats()["reader"]["mutations"]
+        taken = daemon.stats(HTTP)["reader"]["mutations"]
         with RssSampler(daemon.proc.pid) as sampler:  # type: ignore[union-attr]
             # Other connections and scans go on meanwhile.
             for vb in good_vbs:
@@ -177,12 +181,12 @@ def test_a_router_that_stops_reading_acks_blocks_only_itself(daemon_factory: Any
             good.resume(good_history)
             good.close()
             fed_s = time.monotonic() - started
-            answer = httpx.get(f"{daemon.url}/indexes/by_age/scan", timeout=10)
+            answer = HTTP.get(f"{daemon.url}/indexes/by_age/scan", timeout=10)
             assert answer.status_code == 200
             time.sleep(2)
         assert fed_s < 10, fed_s
         # The daemon took nothing more from the stuck router, which cannot send either.
-        assert daemon.stats()["reader"]["mutations"] == taken + 8 * 200
+        assert daemon.stats(HTTP)["reader"]["mutations"] == taken + 8 * 200
         assert flooder.bytes == last, "the stalled router moved on"
         # Bounded: a little over the idle daemon, and flat while the router keeps trying.
         assert sampler.peak - base < 48 * MiB, (base, sampler.peak)
@@ -190,7 +194,7 @@ def test_a_router_that_stops_reading_acks_blocks_only_itself(daemon_factory: Any
         assert max(last_second) - min(last_second) < 2 * MiB, last_second
     finally:
         flooder.stop()
-    wait_for("the disconnect", lambda: daemon.stats()["reader"]["connections"] == 0)
+    wait_for("the disconnect", lambda: daemon.stats(HTTP)["reader"]["connections"] == 0)
     # It comes back and resumes from the restart position: nothing it sent is lost or doubled.
     again = FeedClient(daemon, stuck_vbs)
     again.resume(stuck_history)
@@ -225,7 +229,7 @@ def test_slow_storage_stalls_reads_instead_of_growing(
         )  # fmt: skip
         deadline = time.monotonic() + WAIT_S
         while True:
-            stats = daemon.stats()
+            stats = daemon.stats(HTTP)
             written = sum(q["flushed"] for q in stats["queues"])
             backlog = max(backlog, stats["reader"]["mutations"] - written)
             if stats["persisted"]["seqno_sum"] >= 60_000:
@@ -234,7 +238,7 @@ def test_slow_storage_stalls_reads_instead_of_growing(
             time.sleep(0.1)
         wait_equal(daemon, list(generate(Workload(60_000, 60_000, 0.1, 9))))
     elapsed = time.monotonic() - started
-    stats = daemon.stats()
+    stats = daemon.stats(HTTP)
     # The pipeline waited for room instead of taking more: stalls on the full pool, each a pause
     # of reading the network, and the slow writes were what it waited for.
     assert sum(q["stalls"] for q in stats["queues"]) > 0, stats["queues"]
@@ -357,9 +361,9 @@ def _disk_full_scenario(daemon: Daemon, disk: DiskFull, routers: Any, tmp_path: 
     # It stops: nothing more acknowledged, intake stalls once the pool is full, and /stats
     # says why; scans of what is readable still answer.
     time.sleep(1.0)
-    stuck = daemon.stats()
+    stuck = daemon.stats(HTTP)
     time.sleep(1.5)
-    later = daemon.stats()
+    later = daemon.stats(HTTP)
     assert daemon.running
     assert later["persisted"]["seqno_sum"] == stuck["persisted"]["seqno_sum"]
     assert later["persisted"]["seqno_sum"] < len(before) + len(during)
@@ -372,9 +376,9 @@ def _disk_full_scenario(daemon: Daemon, disk: DiskFull, routers: Any, tmp_path: 
     assert failing and write_errors + later["timekeeper"]["persist_errors"] > 0, later
     if disk.how == "injected":
         assert any("No space left on device" in (q["write_error"] or "") for q in later["queues"])
-    answer = httpx.get(f"{daemon.url}/indexes/by_age/scan", timeout=10)
+    answer = HTTP.get(f"{daemon.url}/indexes/by_age/scan", timeout=10)
     assert answer.status_code == 200
-    node = httpx.get(f"{router_url}/stats", timeout=10).json()["nodes"][daemon.address]
+    node = HTTP.get(f"{router_url}/stats", timeout=10).json()["nodes"][daemon.address]
     assert node["connected"], node  # the router holds its data, connected, waiting
 
     disk.free()
@@ -385,7 +389,7 @@ def _disk_full_scenario(daemon: Daemon, disk: DiskFull, routers: Any, tmp_path: 
     )
     total = len(documents)
     wait_for("everything to persist", lambda: persisted(daemon) >= total)
-    stats = daemon.stats()
+    stats = daemon.stats(HTTP)
     assert not any(q["write_failing"] for q in stats["queues"])
     assert not stats["timekeeper"]["persist_failing"]
     # Losing nothing acknowledged: killed now, it restarts from all of it.
@@ -401,5 +405,5 @@ def _disk_full_scenario(daemon: Daemon, disk: DiskFull, routers: Any, tmp_path: 
 
 
 def persisted(daemon: Daemon) -> int:
-    total: int = daemon.stats()["persisted"]["seqno_sum"]
+    total: int = daemon.stats(HTTP)["persisted"]["seqno_sum"]
     return total

@@ -22,6 +22,10 @@ from workers.flush import FAULT_ENOSPC_FILE
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 VERSION = importlib.metadata.version("indexer")
 
 
@@ -59,7 +63,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = WAIT_S) -> N
 
 
 def metrics(url: str) -> Exposition:
-    answer = httpx.get(url + "/metrics", timeout=30)
+    answer = HTTP.get(url + "/metrics", timeout=30)
     assert answer.status_code == 200, answer.text
     assert answer.headers["content-type"].startswith("text/plain")
     return Exposition(answer.text)
@@ -78,11 +82,11 @@ def scan_some(daemon: Daemon) -> tuple[int, int]:
     """Three scans and a count of by_age, and a scan of by_city: (reads of by_age, rows)."""
     rows = 0
     for params in ({}, {"limit": "10"}, {"eq": "30", "consistency": "request_plus"}):
-        answer = httpx.get(daemon.url + "/indexes/by_age/scan", params=params, timeout=30)
+        answer = HTTP.get(daemon.url + "/indexes/by_age/scan", params=params, timeout=30)
         assert answer.status_code == 200, answer.text
         rows += len(answer.text.splitlines())
-    assert httpx.get(daemon.url + "/indexes/by_age/count").status_code == 200
-    assert httpx.get(daemon.url + "/indexes/by_city/scan", params={"limit": "1"}).status_code == 200
+    assert HTTP.get(daemon.url + "/indexes/by_age/count").status_code == 200
+    assert HTTP.get(daemon.url + "/indexes/by_city/scan", params={"limit": "1"}).status_code == 200
     return 4, rows
 
 
@@ -91,9 +95,9 @@ def test_daemon_metrics_have_prometheus_names_and_types(
 ) -> None:
     daemon, documents = fed
     reads, rows = scan_some(daemon)
-    assert httpx.post(daemon.url + "/compact", timeout=60).status_code == 200
+    assert HTTP.post(daemon.url + "/compact", timeout=60).status_code == 200
     # An index created over data the one-shot feed cannot stream stays building: its progress.
-    created = httpx.post(daemon.url + "/indexes", json={"name": "by_zip", "keys": ["address.zip"]})
+    created = HTTP.post(daemon.url + "/indexes", json={"name": "by_zip", "keys": ["address.zip"]})
     assert created.status_code == 201, created.text
     m = metrics(daemon.url)
 
@@ -161,12 +165,12 @@ def test_daemon_stats_show_uptime_version_and_per_index_reads(
     fed: tuple[Daemon, list[Document]],
 ) -> None:
     daemon, documents = fed
-    before = httpx.get(daemon.url + "/stats").json()
+    before = HTTP.get(daemon.url + "/stats").json()
     assert before["scans_served"] == 0 and before["scans_in_flight"] == 0
     assert "scan_requests" not in before  # renamed: it counted requests in flight
     reads, rows = scan_some(daemon)
-    assert httpx.post(daemon.url + "/compact", timeout=60).status_code == 200
-    stats = httpx.get(daemon.url + "/stats").json()
+    assert HTTP.post(daemon.url + "/compact", timeout=60).status_code == 200
+    stats = HTTP.get(daemon.url + "/stats").json()
     assert stats["version"] == VERSION
     assert 0 < stats["uptime_s"] < 600
     assert stats["scans_served"] == reads + 1
@@ -181,9 +185,9 @@ def test_daemon_stats_show_uptime_version_and_per_index_reads(
     assert latency["p50"] is not None and latency["p50"] <= latency["p99"] <= latency["max"]
     assert stats["indexes"]["by_city"]["scans"] == 1 and stats["indexes"]["by_city"]["rows"] == 1
     # GET /indexes/NAME shows the same.
-    one = httpx.get(daemon.url + "/indexes/by_age").json()
+    one = HTTP.get(daemon.url + "/indexes/by_age").json()
     assert one["scans"] == reads and one["rows"] == rows and one["bytes_on_disk"] > 0
-    later = httpx.get(daemon.url + "/stats").json()
+    later = HTTP.get(daemon.url + "/stats").json()
     assert later["uptime_s"] >= stats["uptime_s"]
     assert daemon.stop() == 0
 
@@ -219,7 +223,7 @@ def test_router_metrics_and_stats(daemon_factory: Any, routers: Any, tmp_path: P
     (url,) = router.wait_log(r"router API on (http://\S+)")
     wait_equal(daemon, documents)
 
-    stats = httpx.get(url + "/stats").json()
+    stats = HTTP.get(url + "/stats").json()
     assert stats["version"] == VERSION
     assert 0 < stats["uptime_s"] < 600
     assert stats["nodes"][daemon.address]["connected"] is True
@@ -255,7 +259,7 @@ def test_router_metrics_and_stats(daemon_factory: Any, routers: Any, tmp_path: P
     for family in m.families.values():
         if family.type == "gauge":
             assert not family.name.endswith("_total"), family.name
-    wrong = httpx.post(url + "/metrics")
+    wrong = HTTP.post(url + "/metrics")
     assert wrong.status_code == 405 and wrong.json()["error"]
     assert router.stop() == 0
     assert daemon.stop() == 0

@@ -17,6 +17,10 @@ from tests.harness import INDEXES, jsonl_lines, model
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 
 def bulk_body(documents: list[Document]) -> bytes:
     return "".join(jsonl_lines(documents)).encode()
@@ -52,7 +56,7 @@ def test_bulk_appends_good_lines_and_answers_each_bad_one(
     for number, line in sorted(bad.items()):
         lines.insert(number - 1, line)
     body = "".join(lines[:1000]) + "   \n" + "".join(lines[1000:])  # a blank line: no result
-    answer = httpx.post(f"{url}/docs/_bulk", content=body.encode(), timeout=60)
+    answer = HTTP.post(f"{url}/docs/_bulk", content=body.encode(), timeout=60)
     assert answer.status_code == 200, answer.text
     result = answer.json()
     assert result["errors"] is True
@@ -77,10 +81,10 @@ def test_bulk_appends_good_lines_and_answers_each_bad_one(
     assert result["at_plus"] == {str(vb): seqno for vb, seqno in sorted(last.items())}
     wait_equal(daemon, documents)
     # A second bulk with every line bad appends nothing.
-    answer = httpx.post(f"{url}/docs/_bulk", content=b"[1]\n{}\n", timeout=30)
+    answer = HTTP.post(f"{url}/docs/_bulk", content=b"[1]\n{}\n", timeout=30)
     assert answer.status_code == 200 and answer.json()["appended"] == 0
     assert answer.json()["at_plus"] == {}
-    stats = httpx.get(f"{url}/stats").json()["bulk"]
+    stats = HTTP.get(f"{url}/stats").json()["bulk"]
     assert stats == {
         "requests": 2,
         "lines": len(lines) + 2,
@@ -112,7 +116,7 @@ def test_wait_visible_answers_once_the_daemon_can_read_the_bulk(
             for name, paths in INDEXES.items():
                 assert scan(daemon, name, "any") == model(documents, paths)
             # The at_plus vector is accepted as it is by the daemon's scans.
-            at_plus = httpx.get(
+            at_plus = HTTP.get(
                 f"{daemon.url}/indexes/by_age/count",
                 params={"at_plus": json.dumps(result["at_plus"]), "timeout": "1"},
             )
@@ -127,7 +131,7 @@ def test_wait_visible_with_the_node_down_times_out_with_504_and_keeps_the_lines(
     url = start(routers, tmp_path, daemon)
     assert daemon.stop() == 0
     documents = [Document(f"d{i}", {"age": i, "address": {"city": "Lima"}}) for i in range(50)]
-    answer = httpx.post(
+    answer = HTTP.post(
         f"{url}/docs/_bulk",
         content=bulk_body(documents),
         params={"wait": "visible", "timeout": "1"},
@@ -139,7 +143,7 @@ def test_wait_visible_with_the_node_down_times_out_with_504_and_keeps_the_lines(
     assert daemon.address in result["error"]
     daemon.start()  # the appended lines were kept: the node gets them when it is back
     wait_equal(daemon, documents)
-    assert httpx.get(f"{url}/stats").json()["bulk"]["timeouts"] == 1
+    assert HTTP.get(f"{url}/stats").json()["bulk"]["timeouts"] == 1
 
 
 def test_bulk_refusals_name_the_limit_the_parameter_and_the_token(
@@ -148,7 +152,7 @@ def test_bulk_refusals_name_the_limit_the_parameter_and_the_token(
     daemon = daemon_factory().start()
     url = start(routers, tmp_path, daemon, "--bulk-max-mb", "0.01")
     too_big = bulk_body([Document(f"big{i}", {"age": i, "pad": "x" * 200}) for i in range(100)])
-    answer = httpx.post(f"{url}/docs/_bulk", content=too_big, timeout=30)
+    answer = HTTP.post(f"{url}/docs/_bulk", content=too_big, timeout=30)
     assert answer.status_code == 413
     assert f"the body is over the bulk limit of {int(0.01 * (1 << 20))} bytes" in answer.text
     for query, message in (
@@ -156,12 +160,12 @@ def test_bulk_refusals_name_the_limit_the_parameter_and_the_token(
         ({"refresh": "true"}, "unknown parameter 'refresh'"),
         ({"timeout": "-1"}, "timeout must be above 0"),
     ):
-        answer = httpx.post(f"{url}/docs/_bulk", content=b"", params=query, timeout=30)
+        answer = HTTP.post(f"{url}/docs/_bulk", content=b"", params=query, timeout=30)
         assert answer.status_code == 400 and message in answer.json()["error"], answer.text
     # GET /docs/_bulk is no bulk; PUT /docs/_bulk is the document "_bulk".
-    assert httpx.put(f"{url}/docs/_bulk", json={"age": 3}).status_code == 200
+    assert HTTP.put(f"{url}/docs/_bulk", json={"age": 3}).status_code == 200
     wait_equal(daemon, [Document("_bulk", {"age": 3})])
-    assert httpx.get(f"{url}/stats").json()["bulk"]["requests"] == 0
+    assert HTTP.get(f"{url}/stats").json()["bulk"]["requests"] == 0
 
 
 def test_bulk_needs_the_token_and_a_peer_refuses_lines_of_other_vbuckets(
@@ -175,9 +179,9 @@ def test_bulk_needs_the_token_and_a_peer_refuses_lines_of_other_vbuckets(
     )  # fmt: skip
     documents = [Document(f"p{i}", {"age": i % 50}) for i in range(400)]
     body = bulk_body(documents)
-    refused = httpx.post(f"{url}/docs/_bulk", content=body, timeout=30)
+    refused = HTTP.post(f"{url}/docs/_bulk", content=body, timeout=30)
     assert refused.status_code == 401 and "Bearer" in refused.text
-    answer = httpx.post(
+    answer = HTTP.post(
         f"{url}/docs/_bulk",
         content=body,
         headers={"authorization": f"Bearer {token}"},
@@ -205,7 +209,7 @@ def test_a_sharded_router_takes_a_bulk_at_the_parent_and_at_any_shard(
     url = router.wait_url()
     router.wait_log(r"connected; resuming", 2)
     auth = {"authorization": f"Bearer {token}"}
-    shards = httpx.get(f"{url}/stats").json()["shards"]
+    shards = HTTP.get(f"{url}/stats").json()["shards"]
     assert [s["vbuckets"] for s in shards] == ["vbuckets 0-511", "vbuckets 512-1023"]
     documents: list[Document] = []
     # The parent, then each shard, with lines of both shards and a bad line in the middle.
@@ -216,7 +220,7 @@ def test_a_sharded_router_takes_a_bulk_at_the_parent_and_at_any_shard(
         ]
         lines = jsonl_lines(batch)
         lines.insert(300, "{broken\n")
-        answer = httpx.post(
+        answer = HTTP.post(
             f"{target}/docs/_bulk",
             content="".join(lines).encode(),
             params={"wait": "visible"},
@@ -232,9 +236,9 @@ def test_a_sharded_router_takes_a_bulk_at_the_parent_and_at_any_shard(
         documents += batch
         for name, paths in INDEXES.items():  # readable at once: both shards waited
             assert scan(daemon, name, "any") == model(documents, paths)
-    refused = httpx.post(f"{url}/docs/_bulk", content=b'{"id":"a","doc":{}}\n', timeout=30)
+    refused = HTTP.post(f"{url}/docs/_bulk", content=b'{"id":"a","doc":{}}\n', timeout=30)
     assert refused.status_code == 401
-    stats = httpx.get(f"{url}/stats").json()
+    stats = HTTP.get(f"{url}/stats").json()
     # A shard's foreign lines went through the parent to the other shard: counted where appended.
     assert stats["bulk"]["appended"] == len(documents) and stats["bulk"]["failed"] == 3
     assert router.stop() == 0

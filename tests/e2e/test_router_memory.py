@@ -18,11 +18,15 @@ from tests.e2e.conftest import WAIT_S, Daemon, wait_equal, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 NUM_VBUCKETS = 1024
 
 
 def router_stats(url: str) -> dict[str, Any]:
-    answer = httpx.get(f"{url}/stats", timeout=10)
+    answer = HTTP.get(f"{url}/stats", timeout=10)
     assert answer.status_code == 200, answer.text
     stats: dict[str, Any] = answer.json()
     return stats
@@ -30,7 +34,7 @@ def router_stats(url: str) -> dict[str, Any]:
 
 def wait_persisted(daemon: Daemon, seqno_sum: int) -> None:
     deadline = time.monotonic() + WAIT_S
-    while httpx.get(f"{daemon.url}/stats").json()["persisted"]["seqno_sum"] < seqno_sum:
+    while HTTP.get(f"{daemon.url}/stats").json()["persisted"]["seqno_sum"] < seqno_sum:
         assert time.monotonic() < deadline, "the daemon did not persist in time"
         time.sleep(0.1)
 
@@ -114,7 +118,7 @@ def test_a_failover_of_a_running_router_rolls_the_indexer_back(
     in_first = Counter(vbucket_of(d.docid.encode(), NUM_VBUCKETS) for d in first)
     in_second = Counter(vbucket_of(d.docid.encode(), NUM_VBUCKETS) for d in second)
     vbucket, lost = in_second.most_common(1)[0]
-    answer = httpx.post(f"{url}/failover/{vbucket}", json={"seqno": in_first[vbucket]})
+    answer = HTTP.post(f"{url}/failover/{vbucket}", json={"seqno": in_first[vbucket]})
     assert answer.status_code == 200, answer.text
     assert answer.json()["seqno"] == in_first[vbucket]
     documents = surviving(documents, vbucket, in_first[vbucket])
@@ -133,9 +137,9 @@ def test_a_failover_of_a_running_router_rolls_the_indexer_back(
         (f"/failover/{vbucket}", {"seqno": -1}, 400),
         (f"/failover/{vbucket}", {"to": 1}, 400),
     ]:
-        bad = httpx.post(f"{url}{path}", json=body)
+        bad = HTTP.post(f"{url}{path}", json=body)
         assert bad.status_code == status and "error" in bad.json(), (path, bad.text)
-    assert httpx.get(f"{url}/failover/1").status_code == 405
+    assert HTTP.get(f"{url}/failover/1").status_code == 405
     wait_equal(daemon, documents)
     assert router.stop() == 0
     assert daemon.stop() == 0

@@ -18,6 +18,10 @@ from tests.e2e.conftest import wait_equal, write_jsonl
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 HALVES = ("0-511", "512-1023")
 
 
@@ -49,21 +53,21 @@ def test_two_peers_split_one_input_and_a_third_claim_is_refused(
     for peer in peers:
         peer.wait_log(r"in other routers' vbuckets: left to them")
     wait_equal(daemon, documents)
-    stats = [httpx.get(f"{url}/stats", timeout=30).json() for url in urls]
+    stats = [HTTP.get(f"{url}/stats", timeout=30).json() for url in urls]
     assert [s["vbuckets"] for s in stats] == ["vbuckets 0-511", "vbuckets 512-1023"]
     assert sum(s["foreign_documents"] for s in stats) == len(documents)
     # PUT goes to the router that owns the document's vbucket; the other says which it is not.
     for half, url in enumerate(urls):
         mine, theirs = docid_in(half, "put"), docid_in(1 - half, "put")
         body = {"age": 40 + half, "address": {"city": "Lima"}}
-        refused = httpx.put(f"{url}/docs/{theirs}", json=body, timeout=30)
+        refused = HTTP.put(f"{url}/docs/{theirs}", json=body, timeout=30)
         assert refused.status_code == 421 and "not among this router's" in refused.text
-        assert httpx.put(f"{url}/docs/{mine}", json=body, timeout=30).status_code == 200
+        assert HTTP.put(f"{url}/docs/{mine}", json=body, timeout=30).status_code == 200
         documents.append(Document(mine, body))
         # A failover of one of its vbuckets, on the peer that owns it only.
         vb = vbucket_of(mine.encode(), 1024)
-        assert httpx.post(f"{urls[1 - half]}/failover/{vb}", timeout=30).status_code == 421
-        assert httpx.post(f"{url}/failover/{vb}", timeout=30).status_code == 200
+        assert HTTP.post(f"{urls[1 - half]}/failover/{vb}", timeout=30).status_code == 421
+        assert HTTP.post(f"{url}/failover/{vb}", timeout=30).status_code == 200
     wait_equal(daemon, documents)
     # A third router of the same source claiming every vbucket: refused at its handshake.
     other = list(generate(Workload(500, 500, 0.0, 77)))

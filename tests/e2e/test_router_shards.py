@@ -24,6 +24,10 @@ from tests.e2e.test_index_build import ZIP, wait_active
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 
 def docid_in(first: int, last: int, prefix: str) -> str:
     """A document id whose vbucket (of 1024) is in first..last."""
@@ -47,7 +51,7 @@ def wait_progress(url: str, at_least: int) -> dict[str, Any]:
     """The parent's /stats once its shards acknowledged `at_least` documents."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        stats = httpx.get(f"{url}/stats", timeout=30).json()
+        stats = HTTP.get(f"{url}/stats", timeout=30).json()
         if sum(shard["appended"] for shard in stats["shards"]) >= at_least:
             return stats
         assert time.monotonic() < deadline, stats
@@ -76,7 +80,7 @@ def test_shards_split_the_input_and_the_api_routes_to_them(
     url = router.wait_log(r"router API on (http://\S+)")[0]
     assert router.wait_log(r"read (\d+) documents from") == [str(len(documents))]
     wait_equal(daemon, documents)
-    stats = httpx.get(f"{url}/stats", timeout=30).json()
+    stats = HTTP.get(f"{url}/stats", timeout=30).json()
     assert [s["vbuckets"] for s in stats["shards"]] == ["vbuckets 0-511", "vbuckets 512-1023"]
     assert [s["stats"]["vbuckets"] for s in stats["shards"]] == [
         "vbuckets 0-511",
@@ -91,22 +95,22 @@ def test_shards_split_the_input_and_the_api_routes_to_them(
     for first, last in ((0, 511), (512, 1023)):
         docid = docid_in(first, last, "put")
         body = {"age": 41, "address": {"city": "Quito"}}
-        answer = httpx.put(f"{url}/docs/{docid}", json=body, timeout=30)
+        answer = HTTP.put(f"{url}/docs/{docid}", json=body, timeout=30)
         assert answer.status_code == 200, answer.text
         assert answer.json()["vbucket"] == vbucket_of(docid.encode(), 1024)
         documents.append(Document(docid, body))
         gone_id = documents[0].docid if first == 0 else documents[1].docid
-        assert httpx.delete(f"{url}/docs/{gone_id}", timeout=30).status_code == 200
+        assert HTTP.delete(f"{url}/docs/{gone_id}", timeout=30).status_code == 200
         documents.append(Document(gone_id, None))
         vb = vbucket_of(docid.encode(), 1024)
-        answer = httpx.post(f"{url}/failover/{vb}", timeout=30)
+        answer = HTTP.post(f"{url}/failover/{vb}", timeout=30)
         assert answer.status_code == 200 and answer.json()["vbucket"] == vb, answer.text
-    assert httpx.post(f"{url}/failover/1024", timeout=30).status_code == 400
-    assert httpx.put(f"{url}/docs/x", content=b"[1]", timeout=30).status_code == 400
-    too_big = httpx.put(f"{url}/docs/x", content=b"x" * (2 << 20), timeout=30)
+    assert HTTP.post(f"{url}/failover/1024", timeout=30).status_code == 400
+    assert HTTP.put(f"{url}/docs/x", content=b"[1]", timeout=30).status_code == 400
+    too_big = HTTP.put(f"{url}/docs/x", content=b"x" * (2 << 20), timeout=30)
     assert too_big.status_code == 413 and "bytes" in too_big.json()["error"]
     wait_equal(daemon, documents)
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    metrics = HTTP.get(f"{url}/metrics", timeout=30).text
     assert 'shard="0"' in metrics and 'shard="1"' in metrics
     assert router.stop() == 0
     assert "Traceback" not in router.log()
@@ -131,7 +135,7 @@ def test_a_killed_shard_is_started_again_and_nothing_is_lost_or_doubled(
     assert restarts == [str(victim)]
     router.wait_log(r"read \d+ documents from")
     wait_equal(daemon, documents)
-    stats = httpx.get(f"{url}/stats", timeout=30).json()
+    stats = HTTP.get(f"{url}/stats", timeout=30).json()
     assert [s["starts"] for s in stats["shards"]] == [1, 2]
     assert router.stop() == 0
     assert versions_in_logs(state, 2) == len(documents)  # every line once, none twice
@@ -293,7 +297,7 @@ def test_a_build_and_expiry_work_through_the_shards(
         "--follow", "--to", daemon.address,
     )  # fmt: skip
     wait_equal(daemon, documents + expiring)
-    created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP}, timeout=30)
+    created = HTTP.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP}, timeout=30)
     assert created.status_code == 201, created.text
     assert wait_active(daemon, "by_zip")[-1] == "active"
     router.wait_log(r"\[shard 0/2\] .*build:by_zip: the build stream is done")

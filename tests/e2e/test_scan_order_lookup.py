@@ -18,9 +18,13 @@ from tests.e2e.conftest import INDEXES, indexer_command, model, run_feed, write_
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 
 def ndjson(url: str, **params: Any) -> list[dict[str, Any]]:
-    answer = httpx.get(url, params=params, timeout=60)
+    answer = HTTP.get(url, params=params, timeout=60)
     assert answer.status_code == 200, answer.text
     return [json.loads(line) for line in answer.text.splitlines() if line]
 
@@ -47,7 +51,7 @@ def test_desc_scans_and_lookups_equal_the_model(daemon_factory: Any, tmp_path: P
     latest = {d.docid: d.body for d in documents}
     checked = {"indexed": 0, "absent": 0}
     for docid in [*list(latest)[:300], "a/b c%", "never-written"]:
-        answer = httpx.get(f"{base}/by_city/docs/{quote(docid, safe='')}", timeout=30)
+        answer = HTTP.get(f"{base}/by_city/docs/{quote(docid, safe='')}", timeout=30)
         assert answer.status_code == 200, answer.text
         got = answer.json()
         assert got["id"] == docid
@@ -60,10 +64,10 @@ def test_desc_scans_and_lookups_equal_the_model(daemon_factory: Any, tmp_path: P
     assert checked["indexed"] > 100 and checked["absent"] > 10, checked
 
     # Bad requests name what is wrong.
-    bad = httpx.get(f"{base}/by_city/scan", params={"order": "sideways"})
+    bad = HTTP.get(f"{base}/by_city/scan", params={"order": "sideways"})
     assert bad.status_code == 400 and "order: asc or desc" in bad.json()["error"]
-    assert httpx.get(f"{base}/by_city/docs/").status_code == 404
-    assert httpx.get(f"{base}/by_city/count", params={"order": "desc"}).status_code == 400
+    assert HTTP.get(f"{base}/by_city/docs/").status_code == 404
+    assert HTTP.get(f"{base}/by_city/count", params={"order": "desc"}).status_code == 400
 
     # The CLI.
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -87,7 +91,7 @@ def pages(url: str, **params: Any) -> tuple[list[dict[str, Any]], int]:
     rows: list[dict[str, Any]] = []
     count = 0
     while True:
-        answer = httpx.get(url, params=params, timeout=60)
+        answer = HTTP.get(url, params=params, timeout=60)
         assert answer.status_code == 200, answer.text
         rows += [json.loads(line) for line in answer.text.splitlines() if line]
         count += 1
@@ -106,7 +110,7 @@ def test_pages_read_one_snapshot_while_writes_go_on(daemon_factory: Any, tmp_pat
     url = f"{daemon.url}/indexes/by_city/scan"
     want = model(first, INDEXES["by_city"])
     # The first page, then writes, then the other pages: all from the first page's snapshot.
-    answer = httpx.get(url, params={"limit": 700, "consistency": "request_plus"}, timeout=60)
+    answer = HTTP.get(url, params={"limit": 700, "consistency": "request_plus"}, timeout=60)
     assert answer.status_code == 200 and "x-indexer-next" in answer.headers
     got = [json.loads(line) for line in answer.text.splitlines()]
     more = first + list(generate(Workload(3_000, 2_000, 0.3, 79)))
@@ -127,15 +131,15 @@ def test_pages_read_one_snapshot_while_writes_go_on(daemon_factory: Any, tmp_pat
     rows, _ = pages(url, limit=len(now))
     assert rows == now
     # Bad tokens and clashes are 400s that name them.
-    token = httpx.get(url, params={"limit": 5}).headers["x-indexer-next"]
+    token = HTTP.get(url, params={"limit": 5}).headers["x-indexer-next"]
     for params, message in (
         ({"next": "garbage"}, "next: not a token a page gave"),
         ({"next": token, "consistency": "any"}, "not taken with next"),
         ({"next": token, "order": "desc"}, "the pages keep the order of the first"),
     ):
-        bad = httpx.get(url, params=params)
+        bad = HTTP.get(url, params=params)
         assert bad.status_code == 400 and message in bad.json()["error"], bad.text
-    other = httpx.get(f"{daemon.url}/indexes/by_age/scan", params={"next": token})
+    other = HTTP.get(f"{daemon.url}/indexes/by_age/scan", params={"next": token})
     assert other.status_code == 400 and "a token of index 'by_city'" in other.json()["error"]
     # The CLI follows the pages.
     listed = subprocess.run(
@@ -172,7 +176,7 @@ def test_fields_choose_the_key_positions_and_the_id(daemon_factory: Any, tmp_pat
     ):
         assert ndjson(url, fields=fields) == [projected(e, positions, with_id) for e in full]
     # Arrow: the columns asked for, in that order.
-    arrow = httpx.get(
+    arrow = HTTP.get(
         url,
         params={"fields": "age,id", "columns": "json,double"},
         headers={"accept": "application/vnd.apache.arrow.stream"},
@@ -185,7 +189,7 @@ def test_fields_choose_the_key_positions_and_the_id(daemon_factory: Any, tmp_pat
     assert table.column_names == ["age", "id"] and table.schema.field("age").type == pa.float64()
     assert table.column("id").to_pylist() == [e["id"] for e in full]
     for bad in ("nope", "age,age", ""):
-        answer = httpx.get(url, params={"fields": bad})
+        answer = HTTP.get(url, params={"fields": bad})
         assert answer.status_code == 400 and "fields:" in answer.json()["error"], answer.text
     listed = subprocess.run(
         indexer_command("scan", "by_city", "--fields", "id", "--limit", "3", "--url", daemon.url),
@@ -219,7 +223,7 @@ def test_spans_read_several_ranges_in_index_order_each_entry_once(
     text = json.dumps(spans)
     assert ndjson(f"{url}/scan", spans=text) == want
     assert ndjson(f"{url}/scan", spans=text, order="desc") == want[::-1]
-    counted = httpx.get(f"{url}/count", params={"spans": text}).json()["count"]
+    counted = HTTP.get(f"{url}/count", params={"spans": text}).json()["count"]
     assert counted == len(want)
     assert pages(f"{url}/scan", spans=text, limit=37)[0] == want
     exclusive = json.dumps([{"low": 20, "high": 30, "inclusion": "neither"}, {"eq": 30}])
@@ -231,7 +235,7 @@ def test_spans_read_several_ranges_in_index_order_each_entry_once(
         ({"spans": '[{"eq": 1, "nope": 2}]'}, "spans: each one"),
         ({"spans": '[{"eq": 1}]', "low": "3"}, "give the range in spans"),
     ):
-        answer = httpx.get(f"{url}/scan", params=params)
+        answer = HTTP.get(f"{url}/scan", params=params)
         assert answer.status_code == 400 and message in answer.json()["error"], answer.text
     counted_cli = subprocess.run(
         indexer_command("count", "by_age", "--spans", text, "--url", daemon.url),
@@ -293,7 +297,7 @@ def test_aggregates_per_group_equal_the_model(daemon_factory: Any, tmp_path: Pat
     # Arrow: the group's keys as JSON text, counts as int64, sums as float64.
     import pyarrow as pa
 
-    arrow = httpx.get(
+    arrow = HTTP.get(
         url,
         params={"group_by": 1, "aggregates": "count,sum(age)"},
         headers={"accept": "application/vnd.apache.arrow.stream"},
@@ -307,7 +311,7 @@ def test_aggregates_per_group_equal_the_model(daemon_factory: Any, tmp_path: Pat
         ({"aggregates": "median(age)"}, "is not one of"),
         ({"group_by": 3}, "group_by"),
     ):
-        bad = httpx.get(url, params=params)
+        bad = HTTP.get(url, params=params)
         assert bad.status_code == 400 and message in bad.json()["error"], bad.text
     listed = subprocess.run(
         indexer_command(

@@ -17,6 +17,10 @@ from tests.e2e.conftest import indexer_command, run_feed, wait_equal, write_json
 
 pytestmark = pytest.mark.e2e
 
+# One client for the module's requests: a new one per call (httpx.get) builds its TLS
+# context each time, which costs more than the request on a busy machine.
+HTTP = httpx.Client()
+
 
 def feed_state(state: Path, jsonl: Path, address: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -34,7 +38,7 @@ def loaded(daemon_factory: Any, tmp_path: Path, workload: Workload) -> tuple[Any
     fed = feed_state(tmp_path / "a", write_jsonl(tmp_path / "a.jsonl", documents), daemon.address)
     assert fed.returncode == 0, fed.stderr
     wait_equal(daemon, documents)
-    return daemon, documents, daemon.stats()["source"]
+    return daemon, documents, daemon.stats(HTTP)["source"]
 
 
 def test_a_router_of_another_source_is_refused_and_nothing_is_rolled_back(
@@ -51,9 +55,9 @@ def test_a_router_of_another_source_is_refused_and_nothing_is_rolled_back(
     (url,) = router.wait_log(r"router API on (http://\S+)")
     (line,) = router.wait_log(r"stopped streaming to this node: .*")
     assert f"indexes the history of source log {source}" in line and "--adopt-source" in line
-    node = httpx.get(f"{url}/stats", timeout=30).json()["nodes"][daemon.address]
+    node = HTTP.get(f"{url}/stats", timeout=30).json()["nodes"][daemon.address]
     assert node["stopped"] is True and source in node["last_error"]
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    metrics = HTTP.get(f"{url}/metrics", timeout=30).text
     assert f'indexer_router_node_stopped{{node="{daemon.address}"}} 1.0' in metrics
     time.sleep(6)  # longer than the longest backoff: no retry loop
     assert router.log().count(daemon.address) <= 3, router.log()
@@ -113,7 +117,7 @@ def test_adopt_source_takes_a_node_over_explicitly(
     )  # fmt: skip
     wait_equal(daemon, new)  # only the new source's documents
     assert "takes this node over (--adopt-source)" in daemon.log()
-    new_source = daemon.stats()["source"]
+    new_source = daemon.stats(HTTP)["source"]
     assert new_source != old_source
     assert router.stop() == 0 and daemon.stop() == 0
     # Taken over for good: the old source is refused after a restart without the flag.
