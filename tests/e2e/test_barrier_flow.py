@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from indexer import protocol as p
 from indexer.router import Workload, generate
@@ -57,12 +58,19 @@ def test_a_barrier_is_answered_once_its_writes_are_readable(daemon_factory: Any)
     indexes_equal_model(daemon, source)
 
 
-def test_flow_control_keeps_the_router_within_its_window(daemon_factory: Any) -> None:
-    window = 1 << 20
-    daemon = daemon_factory(server={"flow_control_bytes": window}).start()
+@pytest.mark.parametrize(
+    "window, count",
+    [pytest.param(1 << 18, 10_000), pytest.param(1 << 20, 40_000, marks=pytest.mark.soak)],
+)
+def test_flow_control_keeps_the_router_within_its_window(
+    daemon_factory: Any, window: int, count: int
+) -> None:
+    # A frame may not be larger than the window: both at `window`.
+    server = {"flow_control_bytes": window, "max_frame_bytes": window}
+    daemon = daemon_factory(server=server).start()
     source = Source(6, docids_per_vbucket=3000)
     for vb in VBUCKETS:
-        source.write(vb, 40_000)  # about 5 MiB of frames: five windows and more
+        source.write(vb, count)  # about 5 windows of frames and more
     router = Router(daemon, source, flow_control=True)
     assert router.window == window
     router.stream()

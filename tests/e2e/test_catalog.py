@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 def test_create_during_a_feed_then_drop(daemon_factory: Any, tmp_path: Path) -> None:
     daemon = daemon_factory().start()
-    before = list(generate(Workload(20_000, 4_000, 0.1, 21)))
+    before = list(generate(Workload(5_000, 4_000, 0.1, 21)))
     assert run_feed(daemon, write_jsonl(tmp_path / "a.jsonl", before)).returncode == 0
     during = list(generate(Workload(60_000, 4_000, 0.1, 22)))
     jsonl = write_jsonl(tmp_path / "b.jsonl", before + during)

@@ -26,6 +26,9 @@ from tests.e2e.conftest import (
     write_jsonl,
 )
 from tests.e2e.test_index_build import (
+    FEED_BATCH,
+    FEED_LIMIT_S,
+    SOAK,
     index_states,
     keep_appending,
     kill_once_built_some,
@@ -83,11 +86,24 @@ def assert_deferred(daemon: Daemon, name: str) -> None:
         assert "\n" not in error
 
 
+@pytest.mark.parametrize(
+    "count, keys, batch, feed_s",
+    [
+        pytest.param(8_000, 3_000, FEED_BATCH, FEED_LIMIT_S),
+        pytest.param(30_000, 5_000, 1_000, 20.0, marks=SOAK),
+    ],
+)
 def test_deferred_indexes_are_built_together_on_one_build_stream(
-    daemon_factory: Any, routers: Any, tmp_path: Path
+    daemon_factory: Any,
+    routers: Any,
+    tmp_path: Path,
+    count: int,
+    keys: int,
+    batch: int,
+    feed_s: float,
 ) -> None:
     daemon, documents, jsonl, router = loaded(
-        daemon_factory, routers, tmp_path, Workload(30_000, 5_000, 0.1, 221)
+        daemon_factory, routers, tmp_path, Workload(count, keys, 0.1, 221)
     )
     create_deferred(daemon)
     for name in DEFERRED:
@@ -101,7 +117,11 @@ def test_deferred_indexes_are_built_together_on_one_build_stream(
     assert build_streams(router.log()) == []
 
     stop = threading.Event()
-    appender = threading.Thread(target=keep_appending, args=(jsonl, documents, stop))
+    appender = threading.Thread(
+        target=keep_appending,
+        args=(jsonl, documents, stop),
+        kwargs={"batch": batch, "limit_s": feed_s},
+    )
     appender.start()
     try:
         built = cli("build-index", *DEFERRED, "--wait", "--url", daemon.url)
@@ -141,11 +161,14 @@ def test_deferred_indexes_are_built_together_on_one_build_stream(
     assert daemon.stop() == 0
 
 
+@pytest.mark.parametrize(
+    "count, keys", [pytest.param(16_000, 6_000), pytest.param(60_000, 20_000, marks=SOAK)]
+)
 def test_a_build_of_several_indexes_resumes_after_a_kill_and_loses_a_dropped_one(
-    daemon_factory: Any, routers: Any, tmp_path: Path
+    daemon_factory: Any, routers: Any, tmp_path: Path, count: int, keys: int
 ) -> None:
     daemon, documents, jsonl, router = loaded(
-        daemon_factory, routers, tmp_path, Workload(60_000, 20_000, 0.1, 231)
+        daemon_factory, routers, tmp_path, Workload(count, keys, 0.1, 231)
     )
     create_deferred(daemon)
     answer = httpx.post(f"{daemon.url}/indexes/_build", json={"indexes": list(DEFERRED)})
@@ -155,7 +178,7 @@ def test_a_build_of_several_indexes_resumes_after_a_kill_and_loses_a_dropped_one
     assert {e["state"] for e in entries} == {"building"}
     assert entries[0]["build"]["indexes"] == list(DEFERRED)
     kill_once_built_some(daemon, "d_zip")
-    more = list(generate(Workload(2_000, 20_000, 0.1, 232)))
+    more = list(generate(Workload(count // 30, keys, 0.1, 232)))
     write_jsonl(jsonl, more, append=True)
     documents += more
     daemon.start()

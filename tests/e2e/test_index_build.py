@@ -29,6 +29,7 @@ from tests.e2e.conftest import (
 pytestmark = pytest.mark.e2e
 
 ZIP = ["address.zip", "name"]
+SOAK = pytest.mark.soak  # the first, larger sizes of these cases: `pytest -m soak`
 
 
 def index_states(daemon: Daemon) -> dict[str, dict[str, Any]]:
@@ -63,20 +64,25 @@ def wait_active(daemon: Daemon, name: str, timeout: float = WAIT_S) -> list[str]
         time.sleep(0.05)
 
 
-FEED_LIMIT_S = 20.0
+FEED_LIMIT_S = 5.0
+FEED_BATCH = 200
 
 
 def keep_appending(
-    jsonl: Path, documents: list[Document], stop: threading.Event, limit_s: float = FEED_LIMIT_S
+    jsonl: Path,
+    documents: list[Document],
+    stop: threading.Event,
+    limit_s: float = FEED_LIMIT_S,
+    batch: int = FEED_BATCH,
 ) -> None:
-    """About 10,000 documents/s appended to the followed file, for at most `limit_s`: a build
-    must catch up with a history that grows as it reads it, and on a loaded machine a feed
-    that never stops can outrun the build for good (as it would in production: the build
-    then waits for the feed to slow down)."""
+    """`batch` documents appended to the followed file every 0.1 s (about 2,000 a second), for
+    at most `limit_s`: a build must catch up with a history that grows as it reads it, and on
+    a loaded machine a feed that never stops can outrun the build for good (as it would in
+    production: the build then waits for the feed to slow down)."""
     seed = 300
     until = time.monotonic() + limit_s
     while not stop.is_set() and time.monotonic() < until:
-        more = list(generate(Workload(1_000, 5_000, 0.1, seed)))
+        more = list(generate(Workload(batch, 5_000, 0.1, seed)))
         write_jsonl(jsonl, more, append=True)
         documents += more
         seed += 1
@@ -98,14 +104,31 @@ def loaded(
     return daemon, documents, jsonl, router
 
 
+@pytest.mark.parametrize(
+    "count, keys, batch, feed_s",
+    [
+        pytest.param(8_000, 3_000, FEED_BATCH, FEED_LIMIT_S),
+        pytest.param(30_000, 5_000, 1_000, 20.0, marks=SOAK),
+    ],
+)
 def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
-    daemon_factory: Any, routers: Any, tmp_path: Path
+    daemon_factory: Any,
+    routers: Any,
+    tmp_path: Path,
+    count: int,
+    keys: int,
+    batch: int,
+    feed_s: float,
 ) -> None:
     daemon, documents, jsonl, router = loaded(
-        daemon_factory, routers, tmp_path, Workload(30_000, 5_000, 0.1, 201)
+        daemon_factory, routers, tmp_path, Workload(count, keys, 0.1, 201)
     )
     stop = threading.Event()
-    appender = threading.Thread(target=keep_appending, args=(jsonl, documents, stop))
+    appender = threading.Thread(
+        target=keep_appending,
+        args=(jsonl, documents, stop),
+        kwargs={"batch": batch, "limit_s": feed_s},
+    )
     appender.start()
     try:
         created = httpx.post(
@@ -122,11 +145,14 @@ def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
             assert early.status_code == 409 and "only consistency=any" in early.json()["error"]
         assert httpx.get(f"{daemon.url}/indexes/by_zip/count").status_code == 200
         seen = wait_active(daemon, "by_zip")
-        time.sleep(0.5)  # the feed goes on after the merge too
     finally:
         stop.set()
         appender.join()
     assert seen[-1] == "active"
+    # The feed goes on after the merge too (the appender may have stopped at its limit before).
+    more = list(generate(Workload(batch, 5_000, 0.1, 299)))
+    write_jsonl(jsonl, more, append=True)
+    documents += more
     wait_equal(daemon, documents)
     assert scan(daemon, "by_zip") == model(documents, ZIP)
     stats = httpx.get(f"{daemon.url}/stats").json()
@@ -146,16 +172,19 @@ def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
     assert daemon.stop() == 0
 
 
+@pytest.mark.parametrize(
+    "count, keys", [pytest.param(16_000, 6_000), pytest.param(60_000, 20_000, marks=SOAK)]
+)
 def test_a_build_resumes_after_the_daemon_is_killed_and_can_be_dropped(
-    daemon_factory: Any, routers: Any, tmp_path: Path
+    daemon_factory: Any, routers: Any, tmp_path: Path, count: int, keys: int
 ) -> None:
     daemon, documents, jsonl, router = loaded(
-        daemon_factory, routers, tmp_path, Workload(60_000, 20_000, 0.1, 211)
+        daemon_factory, routers, tmp_path, Workload(count, keys, 0.1, 211)
     )
     created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP})
     assert created.status_code == 201, created.text
     kill_once_built_some(daemon, "by_zip")
-    more = list(generate(Workload(2_000, 20_000, 0.1, 212)))
+    more = list(generate(Workload(count // 30, keys, 0.1, 212)))
     write_jsonl(jsonl, more, append=True)
     documents += more
     daemon.start()

@@ -45,26 +45,31 @@ def assert_indexes_match(daemon: Daemon, documents: list[Document]) -> None:
 def test_feed_persists_every_entry_and_a_replay_sends_nothing(
     daemon_factory: Any, tmp_path: Path
 ) -> None:
-    documents = workload(20_000, 2_000, seed=1)
+    documents = workload(6_000, 1_500, seed=1)
     jsonl = write_jsonl(tmp_path / "docs.jsonl", documents)
     daemon = daemon_factory().start()
     fed = run_feed(daemon, jsonl)
     assert fed.returncode == 0, fed.stderr
-    assert "20000 mutations persisted" in fed.stderr
+    assert "6000 mutations persisted" in fed.stderr
     again = run_feed(daemon, jsonl)
     assert again.returncode == 0, again.stderr
-    assert "0 mutations persisted" in again.stderr and "20000 already persisted" in again.stderr
+    assert "0 mutations persisted" in again.stderr and "6000 already persisted" in again.stderr
     assert daemon.stop(signal.SIGTERM) == 0
     assert "stopped cleanly" in daemon.log()
     assert_indexes_match(daemon, documents)
 
 
+@pytest.mark.parametrize(
+    "count, keys, persist_ms",
+    [pytest.param(40_000, 8_000, 100), pytest.param(120_000, 15_000, 300, marks=pytest.mark.soak)],
+)
 def test_kill_9_at_random_moments_then_resume_gives_the_same_index(
-    daemon_factory: Any, tmp_path: Path
+    daemon_factory: Any, tmp_path: Path, count: int, keys: int, persist_ms: int
 ) -> None:
-    documents = workload(120_000, 15_000, seed=2)
+    documents = workload(count, keys, seed=2)
     jsonl = write_jsonl(tmp_path / "docs.jsonl", documents)
-    daemon = daemon_factory(snapshots={"persist_interval_ms": 300})
+    # Snapshots persisted often: each kill lands after some, and a restart resumes from them.
+    daemon = daemon_factory(snapshots={"persist_interval_ms": persist_ms})
     rng = random.Random(7)
     # Each kill lands while the feed streams: once the daemon has received a random share of
     # the input, later kills further in (a restart resumes from what was persisted).
@@ -157,7 +162,7 @@ BAD_FRAMES = {
 def test_bad_frames_get_error_frames_and_other_connections_go_on(
     daemon_factory: Any, tmp_path: Path
 ) -> None:
-    documents = workload(30_000, 3_000, seed=4)
+    documents = workload(10_000, 3_000, seed=4)
     jsonl = write_jsonl(tmp_path / "docs.jsonl", documents)
     # The node owns vbuckets 0-511 only; the feed's documents all hash somewhere in 0-1023,
     # so feed a filtered set that this node owns.

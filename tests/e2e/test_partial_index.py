@@ -86,15 +86,15 @@ def test_partial_index_follows_documents_in_and_out(daemon_factory: Any, tmp_pat
     assert "where" not in listed["by_city"]
 
     # Phase 1, then everything again with phase 2 (the feed skips what the daemon has).
-    generated = list(generate(Workload(30_000, 3_000, 0.1, 31)))
-    first = PHASE_1 + generated[:15_000]
+    generated = list(generate(Workload(8_000, 2_000, 0.1, 31)))
+    first = PHASE_1 + generated[:4_000]
     _feed(daemon, tmp_path / "one.jsonl", first)
     want = model(first, PATHS, WHERE)
     assert _scan(daemon, "seniors") == want
     assert {e["id"] for e in want} & {d.docid for d in PHASE_1} == {
         d.docid for d in PHASE_1 if d.docid not in ("never", "flip:in")
     }
-    everything = first + PHASE_2 + generated[15_000:]
+    everything = first + PHASE_2 + generated[4_000:]
     _feed(daemon, tmp_path / "two.jsonl", everything)
     want = model(everything, PATHS, WHERE)
     assert _scan(daemon, "seniors") == want
@@ -143,7 +143,7 @@ def test_partial_index_follows_documents_in_and_out(daemon_factory: Any, tmp_pat
     listed = {i["name"]: i for i in httpx.get(daemon.url + "/indexes").json()["indexes"]}
     assert listed["rich"]["where"] == "score > 50 AND tags IS NOT MISSING"
     assert listed["rich"]["state"] == "building"
-    later = list(generate(Workload(6_000, 3_000, 0.1, 32)))
+    later = list(generate(Workload(2_000, 2_000, 0.1, 32)))
     _feed(daemon, tmp_path / "three.jsonl", everything + later)
     everything += later
     assert _scan(daemon, "seniors") == model(everything, PATHS, WHERE)

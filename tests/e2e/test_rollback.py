@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.e2e.stream_client import (
     FAST_PERSIST,
@@ -112,14 +113,17 @@ def test_a_scan_waiting_across_a_rollback_gets_a_clear_error(daemon_factory: Any
     indexes_equal_model(daemon, source)
 
 
+@pytest.mark.parametrize(
+    "history", [pytest.param(2_500), pytest.param(6_000, marks=pytest.mark.soak)]
+)
 def test_killed_during_a_rollback_the_index_still_ends_equal_to_the_model(
-    daemon_factory: Any,
+    daemon_factory: Any, history: int
 ) -> None:
     daemon = daemon_factory(**FAST_PERSIST).start()
     source = Source(4, docids_per_vbucket=4000)
     for _ in range(2):
         for vb in VBUCKETS:
-            source.write(vb, 6000)
+            source.write(vb, history)  # more than a failover below loses
         feed(daemon, source)
         time.sleep(0.3)
     for attempt, delay in enumerate((0.0, 0.02, 0.04, 0.06, 0.1)):

@@ -95,14 +95,25 @@ def test_the_router_refuses_them_on_every_input_and_streams_the_rest(
     assert daemon.stop() == 0
 
 
+def lines_for(stateful: bool, every: bool) -> list[str]:
+    """The bad lines one feed mode is given. Both modes read the input with the same parser
+    (read_jsonl): unless `every`, each value goes to each mode once, at an index path in one and
+    elsewhere in the other (lines 4k and 4k+3 without state, 4k+1 and 4k+2 with it)."""
+    lines = bad_lines("x")
+    if every:
+        return lines
+    return [line for j, line in enumerate(lines) if (j % 4 in (1, 2)) == stateful]
+
+
+@pytest.mark.parametrize("every", [pytest.param(False), pytest.param(True, marks=pytest.mark.soak)])
 def test_feed_refuses_them_with_the_line_and_goes_on_after_a_fix(
-    daemon_factory: Any, tmp_path: Path
+    daemon_factory: Any, tmp_path: Path, every: bool
 ) -> None:
     daemon = daemon_factory().start()
     documents = good("doc", 30)
     for stateful in (False, True):
         state = ["--state", str(tmp_path / "state")] if stateful else []
-        for line in bad_lines("x"):
+        for line in lines_for(stateful, every):
             jsonl = tmp_path / "bad.jsonl"
             jsonl.write_text(as_line(documents[0]) + "\n" + line + "\n")
             out = run_feed(daemon, jsonl, *state)
