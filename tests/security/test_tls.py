@@ -147,7 +147,7 @@ def test_the_router_streams_over_tls_with_the_ca_and_token(
 def test_spark_reads_over_tls_with_the_token(
     daemon_factory: Any, tls_files: TlsFiles, tmp_path: Path
 ) -> None:
-    from indexer.spark import session
+    from tests.spark.stream_driver import shared_session
 
     documents: list[Document] = list(generate(Workload(3_000, 1_000, 0.1, 19)))
     secret = write_token(tmp_path / "token")
@@ -163,30 +163,27 @@ def test_spark_reads_over_tls_with_the_token(
         "--tls-ca", str(tls_files.ca), "--token-file", str(secret),
     )  # fmt: skip
     assert fed.returncode == 0, fed.stderr
-    spark = session("indexer-security-tests", "local[2]")
-    try:
+    spark = shared_session()  # the test process's (TLS and token are options of each read)
 
-        def load(**options: str) -> Any:
-            reader = spark.read.format("indexer")
-            for key, value in {
-                "url": https_url(daemon),
-                "index": "by_age",
-                "columns": "json",
-                **options,
-            }.items():
-                reader = reader.option(key, value)
-            return reader.load()
+    def load(**options: str) -> Any:
+        reader = spark.read.format("indexer")
+        for key, value in {
+            "url": https_url(daemon),
+            "index": "by_age",
+            "columns": "json",
+            **options,
+        }.items():
+            reader = reader.option(key, value)
+        return reader.load()
 
-        rows = load(token_file=str(secret), tls_ca=str(tls_files.ca)).collect()
-        want = model(documents, INDEXES["by_age"])
-        assert len(rows) == len(want)
-        assert {r["id"]: json.loads(r["age"]) for r in rows} == {e["id"]: e["key"][0] for e in want}
-        with pytest.raises(Exception, match="HTTP 401"):
-            load(tls_ca=str(tls_files.ca)).collect()
-        with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
-            load(token=TOKEN).collect()
-    finally:
-        spark.stop()
+    rows = load(token_file=str(secret), tls_ca=str(tls_files.ca)).collect()
+    want = model(documents, INDEXES["by_age"])
+    assert len(rows) == len(want)
+    assert {r["id"]: json.loads(r["age"]) for r in rows} == {e["id"]: e["key"][0] for e in want}
+    with pytest.raises(Exception, match="HTTP 401"):
+        load(tls_ca=str(tls_files.ca)).collect()
+    with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
+        load(token=TOKEN).collect()
     assert TOKEN not in daemon.log()
     assert daemon.stop() == 0
 

@@ -1,6 +1,6 @@
 """The Spark data source against a real daemon fed by the real router, checked against a model.
 
-One SparkSession and one daemon serve the whole module (a cold session takes 8-12 s). The tests
+The test process's SparkSession and one daemon serve the whole module. The tests
 run in file order: the offline test, after the online ones, stops the daemon to read its data
 directory. The cluster tests then start two daemons sharing the vbuckets through a cluster map,
 fed by one router. The last tests need neither Spark nor a daemon.
@@ -59,7 +59,6 @@ from indexer.spark import (
     read_plan_per_scan,
     register,
     release,
-    session,
     share_partitions,
 )
 from indexer.spark.source import partitions_for
@@ -76,6 +75,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_gsi_keys import INDEXES as GSI_INDEXES
 from tests.e2e.test_gsi_keys import documents as gsi_documents
+from tests.spark.stream_driver import shared_session
 from tests.spark.test_stream import replayed, run_query
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
@@ -99,10 +99,8 @@ class Node:
 
 
 @pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
-    spark = session("indexer-spark-tests", "local[2]")
-    yield spark
-    spark.stop()
+def spark() -> SparkSession:
+    return shared_session()  # the test process's: left running for the modules after
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +110,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     data_dir = tmp / "data"
     daemon = Daemon(write_config(tmp / "indexer.toml", data_dir, port), tmp / "daemon.log", port)
     node = Node(daemon.start(), data_dir, tmp)
-    node.feed(list(generate(Workload(30_000, 6_000, 0.1, 21))))
+    node.feed(list(generate(Workload(10_000, 2_500, 0.1, 21))))
     yield node
     if daemon.running:
         daemon.kill()

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
-from indexer.spark import error_message, session
+from indexer.spark import error_message
 from tests.e2e.stream_client import VBUCKETS, Source, feed
 from tests.harness import Daemon, model
-from tests.spark.stream_driver import write_batch
+from tests.spark.stream_driver import shared_session, write_batch
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
 
@@ -34,10 +34,8 @@ FAST = "[snapshots]\npersist_interval_ms = 100\nin_memory_interval_ms = 20\n"
 
 
 @pytest.fixture(scope="module")
-def spark() -> Iterator[SparkSession]:
-    spark = session("indexer-stream-tests", "local[2]")
-    yield spark
-    spark.stop()
+def spark() -> SparkSession:
+    return shared_session()  # the test process's: left running for the modules after
 
 
 @pytest.fixture
