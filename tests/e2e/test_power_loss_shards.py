@@ -33,7 +33,9 @@ from tests.powercut import CutReport, PowerLoss
 
 pytestmark = pytest.mark.e2e
 
-CUTS = 6  # half right after a LevelDB log switch, half right after an append
+# Cuts at least: half right after a LevelDB log switch, half right after an append; the
+# larger count runs in the soak (`pytest -m soak`).
+CUTS = [pytest.param(4), pytest.param(6, marks=pytest.mark.soak)]
 # More cuts, up to this many, until two of them took log data: on a busy machine a cut can
 # find every log already synced, and such cuts test little.
 MAX_CUTS = 12
@@ -106,8 +108,9 @@ def took_log_data(report: CutReport) -> bool:
     )
 
 
+@pytest.mark.parametrize("cuts", CUTS)
 def test_power_cuts_under_a_sharded_router_lose_and_double_nothing(
-    library: Path, tmp_path: Path, cleanup: list[Daemon | Router]
+    library: Path, tmp_path: Path, cleanup: list[Daemon | Router], cuts: int
 ) -> None:
     rng = random.Random(20261128)
     layer = PowerLoss(library, tmp_path / "disk", tmp_path / "powercut")
@@ -164,7 +167,7 @@ def test_power_cuts_under_a_sharded_router_lose_and_double_nothing(
             took += took_log_data(report)
             lost += check_holdings(state, jsonl, tmp_path / "copy", seen, f"cut {cut}")
             before = set(wal_sizes(state))
-            last = cut == MAX_CUTS - 1 or (cut >= CUTS - 1 and took >= 2)
+            last = cut == MAX_CUTS - 1 or (cut >= cuts - 1 and took >= 2)
             if last:
                 writer.stop()  # the last start reads the rest of the file
             router = start_router()
@@ -185,4 +188,4 @@ def test_power_cuts_under_a_sharded_router_lose_and_double_nothing(
     finally:
         writer.stop()
     # Not vacuous: the aims found what they waited for, and cuts took from the logs.
-    assert aimed >= CUTS - 1 and took >= 2, (aimed, took)
+    assert aimed >= cuts - 1 and took >= 2, (aimed, took)
