@@ -42,6 +42,7 @@ from tests.e2e.conftest import (
     Router,
     dump,
     free_port,
+    http,
     indexer_command,
     model,
     write_config,
@@ -177,7 +178,7 @@ class Writer:
 def persisted_sum(daemon: Daemon) -> int | None:
     """The persisted seqno sum `/stats` shows, or None if the daemon does not answer."""
     try:
-        answer = httpx.get(f"{daemon.url}/stats", timeout=2)
+        answer = http().get(f"{daemon.url}/stats", timeout=2)
     except httpx.HTTPError:
         return None
     if answer.status_code != 200:
@@ -214,7 +215,7 @@ def scans_equal(
             deadline = time.monotonic() + timeout
         got: dict[str, list[dict[str, Any]]] = {}
         for name in INDEXES:
-            answer = httpx.get(
+            answer = http().get(
                 f"{daemon.url}/indexes/{name}/scan",
                 params={"consistency": "request_plus"},
                 timeout=120,

@@ -7,19 +7,19 @@ import subprocess
 import time
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer import protocol as p
 from indexer.router import Workload, generate
 from tests.e2e.conftest import INDEXES, dump, indexer_command, model, run_feed, write_jsonl
 from tests.e2e.stream_client import VBUCKETS, Router, Source, indexes_equal_model
+from tests.harness import http
 
 SLOW_SNAPSHOTS = {"snapshots": {"in_memory_interval_ms": 400, "persist_interval_ms": 5000}}
 
 
 def count(daemon: Any, consistency: str = "any", **params: str) -> int:
-    answer = httpx.get(
+    answer = http().get(
         daemon.url + "/indexes/by_age/count",
         params={"consistency": consistency, **params},
         timeout=30,

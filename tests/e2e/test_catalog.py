@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
 from tests.e2e.conftest import dump, indexer_command, model, run_feed, write_jsonl
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
@@ -41,13 +41,15 @@ def test_create_during_a_feed_then_drop(daemon_factory: Any, tmp_path: Path) -> 
     assert "building" in created.stdout
     _, err = feeder.communicate(timeout=120)
     assert feeder.returncode == 0, err  # the feed reconnected and resumed by itself
-    listed = {i["name"]: i for i in httpx.get(daemon.url + "/indexes").json()["indexes"]}
+    listed = {i["name"]: i for i in http().get(daemon.url + "/indexes").json()["indexes"]}
     assert listed["by_zip"]["state"] == "building"
-    refused = httpx.get(daemon.url + "/indexes/by_zip/scan", params={"consistency": "request_plus"})
+    refused = http().get(
+        daemon.url + "/indexes/by_zip/scan", params={"consistency": "request_plus"}
+    )
     assert refused.status_code == 409 and "building" in refused.json()["error"]
-    dup = httpx.post(daemon.url + "/indexes", json={"name": "by_zip", "keys": ["x"]})
+    dup = http().post(daemon.url + "/indexes", json={"name": "by_zip", "keys": ["x"]})
     assert dup.status_code == 409 and "exists" in dup.json()["error"]
-    bad = httpx.post(daemon.url + "/indexes", json={"name": "../x", "keys": ["x"]})
+    bad = http().post(daemon.url + "/indexes", json={"name": "../x", "keys": ["x"]})
     assert bad.status_code == 400
     assert "INDEXES_CHANGED" in daemon.log()
     # The old indexes equal the model of everything; the new one has nothing built yet.
@@ -58,15 +60,15 @@ def test_create_during_a_feed_then_drop(daemon_factory: Any, tmp_path: Path) -> 
     assert dump(daemon, "by_zip") == []
     # Restart: the runtime index is still there; drop it.
     daemon.start()
-    assert "by_zip" in {i["name"] for i in httpx.get(daemon.url + "/indexes").json()["indexes"]}
+    assert "by_zip" in {i["name"] for i in http().get(daemon.url + "/indexes").json()["indexes"]}
     dropped = subprocess.run(
         indexer_command("drop-index", "by_zip", "--url", daemon.url),
         capture_output=True,
         text=True,
     )
     assert dropped.returncode == 0, dropped.stderr
-    assert httpx.get(daemon.url + "/indexes/by_zip/scan").status_code == 404
-    assert httpx.delete(daemon.url + "/indexes/by_zip").status_code == 404
+    assert http().get(daemon.url + "/indexes/by_zip/scan").status_code == 404
+    assert http().delete(daemon.url + "/indexes/by_zip").status_code == 404
     # Feeding still works with the remaining indexes.
     assert run_feed(daemon, jsonl).returncode == 0
     assert daemon.stop() == 0

@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
 from tests.e2e.conftest import indexer_command, run_feed, scan, thread_nices, write_jsonl
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
@@ -33,16 +33,16 @@ def test_compaction_on_demand_frees_space_and_changes_no_answer(
     feed = run_feed(daemon, jsonl)
     assert feed.returncode == 0, feed.stderr
     before = {name: scan(daemon, name) for name in ("by_city", "by_age")}
-    stats = httpx.get(f"{daemon.url}/stats").json()["compaction"]
+    stats = http().get(f"{daemon.url}/stats").json()["compaction"]
     assert stats["interval_s"] == 0 and stats["runs"] == 0 and stats["last"] is None
 
-    answer = httpx.post(f"{daemon.url}/compact", timeout=120)
+    answer = http().post(f"{daemon.url}/compact", timeout=120)
     assert answer.status_code == 200, answer.text
     result = answer.json()
     assert result["reason"] == "requested"
     assert 0 < result["bytes_after"] < result["bytes_before"], result
     assert {name: scan(daemon, name) for name in ("by_city", "by_age")} == before
-    stats = httpx.get(f"{daemon.url}/stats").json()
+    stats = http().get(f"{daemon.url}/stats").json()
     assert stats["compaction"]["runs"] == 1 and stats["compaction"]["last"] == result
     # A full compaction leaves nothing in LevelDB's level 0.
     assert stats["storage"]["level0_files"] == 0
@@ -62,7 +62,7 @@ def test_compaction_on_demand_frees_space_and_changes_no_answer(
     held = compact_command("--data-dir", str(data_dir))
     assert held.returncode == 1
     assert held.stderr.count("\n") == 1 and "while a daemon runs" in held.stderr, held.stderr
-    assert httpx.get(f"{daemon.url}/compact").status_code == 405
+    assert http().get(f"{daemon.url}/compact").status_code == 405
     assert daemon.stop() == 0
 
     offline = compact_command("--data-dir", str(data_dir))

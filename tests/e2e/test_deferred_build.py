@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
 from tests.e2e.conftest import (
     WAIT_S,
     Daemon,
+    http,
     indexer_command,
     model,
     run_feed,
@@ -60,7 +60,7 @@ def create_deferred(daemon: Daemon) -> None:
     /indexes. A build takes its indexes in the order they were created."""
     for name, (keys, where) in DEFERRED.items():
         if name == "d_name":
-            made_http = httpx.post(
+            made_http = http().post(
                 f"{daemon.url}/indexes", json={"name": name, "keys": keys, "defer_build": True}
             )
             assert made_http.status_code == 201, made_http.text
@@ -75,11 +75,11 @@ def create_deferred(daemon: Daemon) -> None:
 
 def assert_deferred(daemon: Daemon, name: str) -> None:
     """Deferred, empty, and unreadable with one line saying how to build it."""
-    entry = httpx.get(f"{daemon.url}/indexes/{name}", timeout=10)
+    entry = http().get(f"{daemon.url}/indexes/{name}", timeout=10)
     assert entry.status_code == 200, entry.text
     assert entry.json()["state"] == "deferred" and entry.json()["entries"] == 0
     for action in ("scan", "count"):
-        read = httpx.get(f"{daemon.url}/indexes/{name}/{action}", timeout=10)
+        read = http().get(f"{daemon.url}/indexes/{name}/{action}", timeout=10)
         assert read.status_code == 409, read.text
         error = read.json()["error"]
         assert "deferred" in error and f"indexer build-index {name}" in error, error
@@ -144,13 +144,13 @@ def test_deferred_indexes_are_built_together_on_one_build_stream(
     router.wait_log(r"build:d_zip,d_name,d_adults: the build stream is done")
     # The build made the router handshake again once (to carry the keys); the merge did not.
     assert len(re.findall(r"disconnected: .*INDEXES_CHANGED", router.log())) == 1, router.log()
-    stats = httpx.get(f"{daemon.url}/stats").json()
+    stats = http().get(f"{daemon.url}/stats").json()
     assert stats["builds"] == {}
     assert stats["slab"]["chunks_in_use"] == 0
     states = index_states(daemon)
     assert {states[name]["state"] for name in DEFERRED} == {"active"}
     # Built again: it is not deferred any more.
-    again = httpx.post(f"{daemon.url}/indexes/_build", json={"indexes": ["d_name"]})
+    again = http().post(f"{daemon.url}/indexes/_build", json={"indexes": ["d_name"]})
     assert again.status_code == 409 and "not deferred" in again.json()["error"], again.text
     assert router.stop() == 0
     assert daemon.stop() == 0
@@ -171,7 +171,7 @@ def test_a_build_of_several_indexes_resumes_after_a_kill_and_loses_a_dropped_one
         daemon_factory, routers, tmp_path, Workload(count, keys, 0.1, 231)
     )
     create_deferred(daemon)
-    answer = httpx.post(f"{daemon.url}/indexes/_build", json={"indexes": list(DEFERRED)})
+    answer = http().post(f"{daemon.url}/indexes/_build", json={"indexes": list(DEFERRED)})
     assert answer.status_code == 202, answer.text
     entries = answer.json()["indexes"]
     assert [e["name"] for e in entries] == list(DEFERRED)
@@ -194,18 +194,18 @@ def test_a_build_of_several_indexes_resumes_after_a_kill_and_loses_a_dropped_one
     # Two more, one dropped during their build: the other goes on, on a stream of its own.
     for name in ("e_zip", "e_name"):
         keys = DEFERRED[name.replace("e_", "d_")][0]
-        made = httpx.post(
+        made = http().post(
             f"{daemon.url}/indexes", json={"name": name, "keys": keys, "defer_build": True}
         )
         assert made.status_code == 201, made.text
-    answer = httpx.post(f"{daemon.url}/indexes/_build", json={"indexes": ["e_zip", "e_name"]})
+    answer = http().post(f"{daemon.url}/indexes/_build", json={"indexes": ["e_zip", "e_name"]})
     assert answer.status_code == 202, answer.text
     router.wait_log(r"build:e_zip,e_name: connected")
     deadline = time.monotonic() + WAIT_S
     while index_states(daemon)["e_zip"].get("build", {}).get("items", 1) == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)  # dropped once the build has written (or is already merged)
-    dropped = httpx.delete(f"{daemon.url}/indexes/e_zip")
+    dropped = http().delete(f"{daemon.url}/indexes/e_zip")
     assert dropped.status_code == 204, dropped.text
     assert "e_zip" not in index_states(daemon)
     router.wait_log(r"build:e_zip,e_name: the build stream is done")
@@ -214,8 +214,8 @@ def test_a_build_of_several_indexes_resumes_after_a_kill_and_loses_a_dropped_one
     wait_active(daemon, "e_name")
     wait_equal(daemon, documents)
     assert scan(daemon, "e_name") == model(documents, ["name"])
-    assert httpx.get(f"{daemon.url}/indexes/e_zip/count").status_code == 404
-    stats = httpx.get(f"{daemon.url}/stats").json()
+    assert http().get(f"{daemon.url}/indexes/e_zip/count").status_code == 404
+    stats = http().get(f"{daemon.url}/stats").json()
     assert stats["builds"] == {} and stats["slab"]["chunks_in_use"] == 0
     assert router.stop() == 0
     assert daemon.stop() == 0
@@ -228,7 +228,7 @@ def test_build_requests_errors_and_a_deferred_index_across_restarts(
         **{"indexes.cfg_later": {"keys": ["name"], "defer_build": True}}
     ).start()
     assert index_states(daemon)["cfg_later"]["state"] == "deferred"
-    made = httpx.post(
+    made = http().post(
         f"{daemon.url}/indexes", json={"name": "later", "keys": ["age"], "defer_build": True}
     )
     assert made.status_code == 201 and made.json()["state"] == "deferred", made.text
@@ -244,17 +244,17 @@ def test_build_requests_errors_and_a_deferred_index_across_restarts(
         ({"indexes": ["../etc"]}, 400, "index name"),
     ]
     for body, status, named in errors:
-        answer = httpx.post(build, json=body)
+        answer = http().post(build, json=body)
         assert answer.status_code == status, (body, answer.text)
         assert named in answer.json()["error"], (body, answer.text)
-    assert httpx.post(build, content=b"not json").status_code == 400
-    assert httpx.get(build).status_code == 405
-    assert httpx.post(build, params={"wait": "1"}, json={"indexes": ["later"]}).status_code == 400
-    bad_flag = httpx.post(
+    assert http().post(build, content=b"not json").status_code == 400
+    assert http().get(build).status_code == 405
+    assert http().post(build, params={"wait": "1"}, json={"indexes": ["later"]}).status_code == 400
+    bad_flag = http().post(
         f"{daemon.url}/indexes", json={"name": "x", "keys": ["a"], "defer_build": "yes"}
     )
     assert bad_flag.status_code == 400 and "defer_build" in bad_flag.json()["error"]
-    exists = httpx.post(
+    exists = http().post(
         f"{daemon.url}/indexes", json={"name": "later", "keys": ["a"], "defer_build": True}
     )
     assert exists.status_code == 409, exists.text
@@ -275,7 +275,7 @@ def test_build_requests_errors_and_a_deferred_index_across_restarts(
     assert_deferred(daemon, "cfg_later")
 
     # With nothing streamed yet, a build makes the index active at once.
-    active = httpx.post(build, json={"indexes": ["later"]})
+    active = http().post(build, json={"indexes": ["later"]})
     assert active.status_code == 200, active.text
     assert active.json()["indexes"][0]["state"] == "active"
     documents = list(generate(Workload(3_000, 800, 0.1, 241)))
@@ -284,8 +284,8 @@ def test_build_requests_errors_and_a_deferred_index_across_restarts(
     wait_equal(daemon, documents)
     assert scan(daemon, "later") == model(documents, ["age"])
     # A deferred index is dropped like any other, and a scan of it is then a 404.
-    assert httpx.delete(f"{daemon.url}/indexes/cfg_later").status_code == 204
+    assert http().delete(f"{daemon.url}/indexes/cfg_later").status_code == 204
     assert "cfg_later" not in index_states(daemon)
-    assert httpx.get(f"{daemon.url}/indexes/cfg_later/scan").status_code == 404
-    assert httpx.delete(f"{daemon.url}/indexes/cfg_later").status_code == 404
+    assert http().get(f"{daemon.url}/indexes/cfg_later/scan").status_code == 404
+    assert http().delete(f"{daemon.url}/indexes/cfg_later").status_code == 404
     assert daemon.stop() == 0

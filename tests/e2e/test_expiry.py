@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
 from indexer.router.documents import Document
 from tests.e2e.conftest import wait_equal, write_jsonl
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
@@ -41,13 +41,13 @@ def test_expired_documents_leave_every_index_without_a_delete_in_the_input(
     wait_equal(daemon, documents)  # readable before they expire
     assert time.monotonic() - started < 4, "too slow to see them before they expire"
     kept = Document("exp:keep", {"age": 6, "address": {"city": "Rome"}})
-    answer = httpx.put(f"{url}/docs/exp:keep", json=kept.body)
+    answer = http().put(f"{url}/docs/exp:keep", json=kept.body)
     assert answer.status_code == 200, answer.text
-    bad = httpx.put(f"{url}/docs/x", json={"_exp": "soon"})
+    bad = http().put(f"{url}/docs/x", json={"_exp": "soon"})
     assert bad.status_code == 400 and "_exp" in bad.json()["error"]
     gone = [Document(d.docid, None) for d in expiring]
     wait_equal(daemon, lasting + gone + [kept])
-    stats = httpx.get(f"{url}/stats").json()["expiry"]
+    stats = http().get(f"{url}/stats").json()["expiry"]
     assert stats["expired"] == len(expiring) and stats["pending"] == 0, stats
     assert "expired" in router.log()
     with open(jsonl) as f:  # the input never deleted them

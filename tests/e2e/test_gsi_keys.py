@@ -11,14 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.keys import MISSING, collate
 from indexer.router.documents import Document
 from tests.e2e.conftest import indexer_command, run_feed, wait_equal, write_jsonl
 from tests.e2e.test_index_build import wait_active
-from tests.harness import latest, ordered_entries
+from tests.harness import http, latest, ordered_entries
 
 pytestmark = pytest.mark.e2e
 
@@ -113,7 +112,7 @@ def documents(seed: int, count: int) -> list[Document]:
 
 
 def ndjson(url: str, **params: Any) -> list[dict[str, Any]]:
-    answer = httpx.get(url, params=params, timeout=60)
+    answer = http().get(url, params=params, timeout=60)
     assert answer.status_code == 200, answer.text
     return [json.loads(line) for line in answer.text.splitlines() if line]
 
@@ -124,9 +123,9 @@ def test_primary_array_and_expression_indexes_equal_the_model(
     daemon = daemon_factory(**INDEXES).start()
     base = f"{daemon.url}/indexes"
     for name, keys in CREATED.items():
-        created = httpx.post(base, json={"name": name, "keys": keys}, timeout=30)
+        created = http().post(base, json={"name": name, "keys": keys}, timeout=30)
         assert created.status_code == 201, created.text
-    listed = {i["name"]: i for i in httpx.get(base, timeout=30).json()["indexes"]}
+    listed = {i["name"]: i for i in http().get(base, timeout=30).json()["indexes"]}
     assert listed["name_age"]["keys"] == ["LOWER(name)", "(age * 10) + 1"]
     assert listed["#primary"]["keys"] == ["META().id"]
 
@@ -141,7 +140,7 @@ def test_primary_array_and_expression_indexes_equal_the_model(
         assert len(want) > 100, name
         assert ndjson(f"{url}/scan") == want, name
         assert ndjson(f"{url}/scan", order="desc") == want[::-1], name
-        count = httpx.get(f"{url}/count", timeout=30).json()["count"]
+        count = http().get(f"{url}/count", timeout=30).json()["count"]
         assert count == len(want), name
 
     primary = model(docs, "#primary")
@@ -171,7 +170,7 @@ def test_primary_array_and_expression_indexes_equal_the_model(
     # A document's entries in an array index, from the back index.
     final = latest(docs)
     holder = next(d for d, b in final.items() if b and len(model_keys("tags", d, b)) >= 2)
-    got = httpx.get(f"{base}/tags/docs/{holder.replace(':', '%3A')}", timeout=30).json()
+    got = http().get(f"{base}/tags/docs/{holder.replace(':', '%3A')}", timeout=30).json()
     assert got["entries"] == [e for e in model(docs, "tags") if e["id"] == holder]
     assert len(got["entries"]) >= 2
 
@@ -207,7 +206,7 @@ BAD = [
 def test_cli_definitions_and_bad_ones_name_the_problem(daemon_factory: Any) -> None:
     daemon = daemon_factory().start()
     for body, message in BAD:
-        answer = httpx.post(f"{daemon.url}/indexes", json=body, timeout=30)
+        answer = http().post(f"{daemon.url}/indexes", json=body, timeout=30)
         assert answer.status_code == 400, answer.text
         assert message in answer.json()["error"], (body, answer.text)
 
@@ -224,7 +223,7 @@ def test_cli_definitions_and_bad_ones_name_the_problem(daemon_factory: Any) -> N
     bad = cli("bad", "--keys", "LOWER(name")
     assert bad.returncode != 0 and "expected ')'" in bad.stderr
     assert cli("neither").returncode == 2
-    listed = {i["name"] for i in httpx.get(f"{daemon.url}/indexes", timeout=30).json()["indexes"]}
+    listed = {i["name"] for i in http().get(f"{daemon.url}/indexes", timeout=30).json()["indexes"]}
     assert {"#primary", "by_tag"} <= listed and "bad" not in listed
     assert daemon.stop() == 0
 
@@ -244,20 +243,20 @@ def test_array_and_primary_indexes_built_over_data_under_a_feed(
     )  # fmt: skip
     wait_equal(daemon, docs)
     base = f"{daemon.url}/indexes"
-    made = httpx.post(base, json={"name": "tags", "keys": CONFIGURED["tags"]}, timeout=30)
+    made = http().post(base, json={"name": "tags", "keys": CONFIGURED["tags"]}, timeout=30)
     assert made.status_code == 201 and made.json()["state"] == "building", made.text
     for name, body in (
         ("#primary", {"primary": True}),
         ("name_age", {"keys": CREATED["name_age"]}),
     ):
-        made = httpx.post(base, json={"name": name, **body, "defer_build": True}, timeout=30)
+        made = http().post(base, json={"name": name, **body, "defer_build": True}, timeout=30)
         assert made.status_code == 201 and made.json()["state"] == "deferred", made.text
     for seed in range(12, 16):  # more versions while the builds run
         more = documents(seed, 1_000)
         write_jsonl(jsonl, more, append=True)
         docs += more
         if seed == 13:
-            built = httpx.post(f"{base}/_build", json={"indexes": ["#primary", "name_age"]})
+            built = http().post(f"{base}/_build", json={"indexes": ["#primary", "name_age"]})
             assert built.status_code in (200, 202), built.text
         time.sleep(0.2)
     for name in ("tags", "#primary", "name_age"):

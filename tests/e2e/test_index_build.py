@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
@@ -19,6 +18,7 @@ from indexer.router.documents import Document
 from tests.e2e.conftest import (
     WAIT_S,
     Daemon,
+    http,
     indexer_command,
     model,
     scan,
@@ -33,7 +33,7 @@ SOAK = pytest.mark.soak  # the first, larger sizes of these cases: `pytest -m so
 
 
 def index_states(daemon: Daemon) -> dict[str, dict[str, Any]]:
-    answer = httpx.get(f"{daemon.url}/indexes", timeout=10)
+    answer = http().get(f"{daemon.url}/indexes", timeout=10)
     assert answer.status_code == 200, answer.text
     return {i["name"]: i for i in answer.json()["indexes"]}
 
@@ -131,19 +131,19 @@ def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
     )
     appender.start()
     try:
-        created = httpx.post(
+        created = http().post(
             f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP}, timeout=30
         )
         assert created.status_code == 201, created.text
         assert created.json()["state"] == "building"
         assert created.json()["build"]["percent"] < 100
         # Before it is active, only consistency=any reads it.
-        early = httpx.get(
+        early = http().get(
             f"{daemon.url}/indexes/by_zip/scan", params={"consistency": "request_plus"}
         )
         if early.status_code != 200:
             assert early.status_code == 409 and "only consistency=any" in early.json()["error"]
-        assert httpx.get(f"{daemon.url}/indexes/by_zip/count").status_code == 200
+        assert http().get(f"{daemon.url}/indexes/by_zip/count").status_code == 200
         seen = wait_active(daemon, "by_zip")
     finally:
         stop.set()
@@ -155,7 +155,7 @@ def test_an_index_over_existing_data_is_built_while_the_feed_goes_on(
     documents += more
     wait_equal(daemon, documents)
     assert scan(daemon, "by_zip") == model(documents, ZIP)
-    stats = httpx.get(f"{daemon.url}/stats").json()
+    stats = http().get(f"{daemon.url}/stats").json()
     assert stats["builds"] == {}
     assert stats["slab"]["chunks_in_use"] == 0  # the build's queued records were all freed
     assert "index by_zip built" in daemon.log()
@@ -181,7 +181,7 @@ def test_a_build_resumes_after_the_daemon_is_killed_and_can_be_dropped(
     daemon, documents, jsonl, router = loaded(
         daemon_factory, routers, tmp_path, Workload(count, keys, 0.1, 211)
     )
-    created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP})
+    created = http().post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP})
     assert created.status_code == 201, created.text
     kill_once_built_some(daemon, "by_zip")
     more = list(generate(Workload(count // 30, keys, 0.1, 212)))
@@ -193,17 +193,17 @@ def test_a_build_resumes_after_the_daemon_is_killed_and_can_be_dropped(
     assert scan(daemon, "by_zip") == model(documents, ZIP)
 
     # A second index, dropped during its build: its stream ends and nothing of it stays.
-    created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_name", "keys": ["name"]})
+    created = http().post(f"{daemon.url}/indexes", json={"name": "by_name", "keys": ["name"]})
     assert created.status_code == 201 and created.json()["state"] == "building"
     router.wait_log(r"build:by_name: connected")
-    dropped = httpx.delete(f"{daemon.url}/indexes/by_name")
+    dropped = http().delete(f"{daemon.url}/indexes/by_name")
     assert dropped.status_code == 204, dropped.text
     assert "by_name" not in index_states(daemon)
-    assert httpx.get(f"{daemon.url}/indexes/by_name/count").status_code == 404
+    assert http().get(f"{daemon.url}/indexes/by_name/count").status_code == 404
     router.wait_log(r"build:by_name: the build stream is done")
-    assert httpx.get(f"{daemon.url}/stats").json()["builds"] == {}
+    assert http().get(f"{daemon.url}/stats").json()["builds"] == {}
     wait_equal(daemon, documents)
-    assert httpx.get(f"{daemon.url}/stats").json()["slab"]["chunks_in_use"] == 0
+    assert http().get(f"{daemon.url}/stats").json()["slab"]["chunks_in_use"] == 0
 
     # The CLI waits for a build with a progress bar.
     cli = subprocess.run(

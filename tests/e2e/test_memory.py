@@ -9,11 +9,11 @@ import json
 import time
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.e2e.conftest import INDEXES, WAIT_S, Daemon, RssSampler, model
 from tests.e2e.feed_client import FeedClient, History
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,7 @@ def idle_rss(daemon_factory: Any) -> int:
     """RSS of the idle daemon with the test's pipeline settings, after a scan and a stats call
     (their first calls import and allocate what every later one reuses)."""
     probe = daemon_factory(**PIPELINE).start()
-    httpx.get(f"{probe.url}/indexes/by_age/scan", timeout=30)
+    http().get(f"{probe.url}/indexes/by_age/scan", timeout=30)
     probe.stats()
     time.sleep(0.5)
     with RssSampler(probe.proc.pid) as sampler:  # type: ignore[union-attr]
@@ -51,7 +51,7 @@ def scans_equal_model(daemon: Daemon, history: History) -> None:
     for name, paths in INDEXES.items():
         deadline = time.monotonic() + WAIT_S
         while True:
-            answer = httpx.get(f"{daemon.url}/indexes/{name}/scan", timeout=60)
+            answer = http().get(f"{daemon.url}/indexes/{name}/scan", timeout=60)
             if answer.status_code != 503:
                 break
             assert time.monotonic() < deadline, "scans kept answering 503"

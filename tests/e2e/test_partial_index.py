@@ -8,12 +8,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
 from indexer.router.documents import Document
 from tests.e2e.conftest import Daemon, dump, indexer_command, model, run_feed, write_jsonl
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +67,7 @@ PHASE_2 = [
 
 
 def _scan(daemon: Daemon, name: str) -> list[dict[str, Any]]:
-    response = httpx.get(
+    response = http().get(
         f"{daemon.url}/indexes/{name}/scan", params={"consistency": "request_plus"}, timeout=60
     )
     assert response.status_code == 200, response.text
@@ -81,7 +81,7 @@ def _feed(daemon: Daemon, path: Path, documents: list[Document]) -> None:
 
 def test_partial_index_follows_documents_in_and_out(daemon_factory: Any, tmp_path: Path) -> None:
     daemon = daemon_factory(**{"indexes.seniors": {"keys": PATHS, "where": WHERE}}).start()
-    listed = {i["name"]: i for i in httpx.get(daemon.url + "/indexes").json()["indexes"]}
+    listed = {i["name"]: i for i in http().get(daemon.url + "/indexes").json()["indexes"]}
     assert listed["seniors"]["where"] == CANONICAL
     assert "where" not in listed["by_city"]
 
@@ -117,7 +117,7 @@ def test_partial_index_follows_documents_in_and_out(daemon_factory: Any, tmp_pat
         ({"name": "x", "keys": ["age"], "where": 18}, "where: a condition as a string"),
     ]
     for body, message in bad:
-        refused = httpx.post(daemon.url + "/indexes", json=body, timeout=30)
+        refused = http().post(daemon.url + "/indexes", json=body, timeout=30)
         assert refused.status_code == 400, refused.text
         assert message in refused.json()["error"]
     created = subprocess.run(
@@ -140,7 +140,7 @@ def test_partial_index_follows_documents_in_and_out(daemon_factory: Any, tmp_pat
         indexer_command("list-indexes", "--url", daemon.url), capture_output=True, text=True
     )
     assert "rich\tscore\tbuilding 0%\t0\tWHERE score > 50 AND tags IS NOT MISSING" in shown.stdout
-    listed = {i["name"]: i for i in httpx.get(daemon.url + "/indexes").json()["indexes"]}
+    listed = {i["name"]: i for i in http().get(daemon.url + "/indexes").json()["indexes"]}
     assert listed["rich"]["where"] == "score > 50 AND tags IS NOT MISSING"
     assert listed["rich"]["state"] == "building"
     later = list(generate(Workload(2_000, 2_000, 0.1, 32)))
@@ -152,7 +152,7 @@ def test_partial_index_follows_documents_in_and_out(daemon_factory: Any, tmp_pat
     assert daemon.stop() == 0
     assert dump(daemon, "seniors") == model(everything, PATHS, WHERE)
     daemon.start()
-    listed = {i["name"]: i for i in httpx.get(daemon.url + "/indexes").json()["indexes"]}
+    listed = {i["name"]: i for i in http().get(daemon.url + "/indexes").json()["indexes"]}
     assert listed["seniors"]["where"] == CANONICAL
     assert listed["rich"]["where"] == "score > 50 AND tags IS NOT MISSING"
     assert daemon.stop() == 0

@@ -32,6 +32,7 @@ from tests.e2e.conftest import (
     Router,
     dump,
     free_port,
+    http,
     model,
     scan,
     write_config,
@@ -185,7 +186,7 @@ def test_power_cuts_under_the_router_lose_no_acknowledged_bulk_line(
     want = model([Document(d, {"age": a}) for d, a in acknowledged.items()], INDEXES["by_age"])
     deadline = time.monotonic() + 180
     while True:
-        answer = httpx.get(f"{daemon.url}/indexes/by_age/scan", timeout=120)
+        answer = http().get(f"{daemon.url}/indexes/by_age/scan", timeout=120)
         got = [json.loads(line) for line in answer.text.splitlines() if line]
         if got == want or time.monotonic() > deadline:
             break
@@ -317,7 +318,7 @@ def test_power_cuts_during_index_builds_and_compactions_lose_nothing(
         daemon.start()
         writer.start()
         wait_persisted_at_least(daemon, 30_000)
-        created = httpx.post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP})
+        created = http().post(f"{daemon.url}/indexes", json={"name": "by_zip", "keys": ZIP})
         assert created.status_code == 201, created.text
         builds_cut = 0
         for _ in range(2):  # cut during the build, and again during its resumption
@@ -396,4 +397,4 @@ def wait_persisted_at_least(daemon: Daemon, total: int, timeout: float = 180) ->
 def compact_quietly(daemon: Daemon) -> None:
     """POST /compact; the daemon may lose power before it answers."""
     with contextlib.suppress(httpx.HTTPError):
-        httpx.post(f"{daemon.url}/compact", timeout=120)
+        http().post(f"{daemon.url}/compact", timeout=120)

@@ -21,6 +21,7 @@ from tests.e2e.stream_client import (
     feed,
     indexes_equal_model,
 )
+from tests.harness import http
 
 
 def test_failover_rolls_back_to_a_recovery_point(daemon_factory: Any) -> None:
@@ -94,7 +95,7 @@ def test_a_scan_waiting_across_a_rollback_gets_a_clear_error(daemon_factory: Any
 
     def scan() -> None:
         answers.append(
-            httpx.get(
+            http().get(
                 daemon.url + "/indexes/by_age/count",
                 params={"consistency": "at_plus", "at_plus": '{"11": 1000}', "timeout": "30"},
                 timeout=60,

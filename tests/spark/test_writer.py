@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -27,7 +26,7 @@ from examples import spark_load
 from indexer.router.documents import Document
 from indexer.spark import error_message
 from tests.e2e.conftest import scan
-from tests.harness import Daemon, Router, free_port, model
+from tests.harness import Daemon, Router, free_port, http, model
 from tests.spark.stream_driver import shared_session
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
@@ -55,12 +54,12 @@ class Node:
     log: Path
 
     def bulk(self) -> dict[str, int]:
-        stats: dict[str, int] = httpx.get(f"{self.url}/stats", timeout=30).json()["bulk"]
+        stats: dict[str, int] = http().get(f"{self.url}/stats", timeout=30).json()["bulk"]
         return stats
 
     def appended(self) -> int:
         """The seqnos in the router's source log (these survive a restart)."""
-        stats = httpx.get(f"{self.url}/stats", timeout=30).json()
+        stats = http().get(f"{self.url}/stats", timeout=30).json()
         value: int = stats["source"]["high_seqno_sum"]
         return value
 
