@@ -66,12 +66,14 @@ from tests.e2e.conftest import (
     Daemon,
     Router,
     free_port,
-    http,
     model,
     run_feed,
     wait_equal,
     write_config,
     write_jsonl,
+)
+from tests.e2e.conftest import (
+    http as shared_client,
 )
 from tests.e2e.test_gsi_keys import INDEXES as GSI_INDEXES
 from tests.e2e.test_gsi_keys import documents as gsi_documents
@@ -147,7 +149,7 @@ def as_entries(df: DataFrame, paths: list[str]) -> list[dict[str, Any]]:
 
 
 def ndjson_scan(url: str, index: str, **params: str) -> list[dict[str, Any]]:
-    response = http().get(f"{url}/indexes/{index}/scan", params=params, timeout=60)
+    response = shared_client().get(f"{url}/indexes/{index}/scan", params=params, timeout=60)
     assert response.status_code == 200, response.text
     return [json.loads(line) for line in response.text.splitlines() if line]
 
@@ -198,7 +200,7 @@ def test_typed_columns_by_default_equal_the_json_text_read_converted(
 ) -> None:
     url = node.daemon.url
     for name, paths in INDEXES.items():
-        answer = http().get(f"{url}/indexes/{name}/types", timeout=60).json()
+        answer = shared_client().get(f"{url}/indexes/{name}/types", timeout=60).json()
         with pinned(url) as pin:
             typed = read(spark, url=url, index=name, pin=pin.id, columns="typed")
             texts = read(spark, url=url, index=name, pin=pin.id, columns="json")
@@ -216,7 +218,7 @@ def test_typed_columns_by_default_equal_the_json_text_read_converted(
             ]
         assert len(got) == len(model(node.documents, paths)) and got == want, name
     # by_age holds numbers (and nulls): a DOUBLE column, as its types say.
-    ages = http().get(f"{url}/indexes/by_age/types", timeout=60).json()
+    ages = shared_client().get(f"{url}/indexes/by_age/types", timeout=60).json()
     assert set(ages["types"][0]) - {"null", "missing"} <= {"integer", "number"}
     by_age = spark.read.format("indexer").option("url", url).option("index", "by_age").load()
     assert dict(by_age.dtypes)["age"] in ("double", "bigint")  # typed is the default
@@ -352,7 +354,7 @@ def test_a_pinned_snapshot_is_unchanged_by_writes_during_the_read(
     latest = as_entries(read(spark, url=url, index="by_age"), ["age"])
     assert latest == model(node.documents, ["age"]) != model(before, ["age"])
     # at_plus: a snapshot holding at least the seqnos given, one per vbucket.
-    seqnos = http().get(url + "/snapshots").json()["persisted"]["seqnos"]
+    seqnos = shared_client().get(url + "/snapshots").json()["persisted"]["seqnos"]
     vector = json.dumps({str(vb): s for vb, s in enumerate(seqnos) if s})
     at_plus = read(spark, url=url, index="by_city", at_plus=vector)
     assert as_entries(at_plus, INDEXES["by_city"]) == model(node.documents, INDEXES["by_city"])
@@ -648,14 +650,18 @@ def wait_cluster_equal(cluster: Cluster) -> None:
 
 
 def node_count(daemon: Daemon, index: str, pin: str) -> int:
-    answer = http().get(f"{daemon.url}/indexes/{index}/count", params={"pin": pin}, timeout=60)
+    answer = shared_client().get(
+        f"{daemon.url}/indexes/{index}/count", params={"pin": pin}, timeout=60
+    )
     assert answer.status_code == 200, answer.text
     count: int = answer.json()["count"]
     return count
 
 
 def pin_ids(daemon: Daemon) -> set[str]:
-    return {p["id"] for p in http().get(f"{daemon.url}/snapshots", timeout=30).json()["pinned"]}
+    return {
+        p["id"] for p in shared_client().get(f"{daemon.url}/snapshots", timeout=30).json()["pinned"]
+    }
 
 
 def test_a_cluster_map_reads_every_node_with_partitions_shared_out_among_them(
@@ -698,7 +704,9 @@ def test_a_cluster_map_reads_every_node_with_partitions_shared_out_among_them(
     # at_plus over the whole cluster: each node waits only for the seqnos of its own vbuckets.
     vector: dict[str, int] = {}
     for name, daemon in cluster.nodes.items():
-        seqnos = http().get(f"{daemon.url}/snapshots", timeout=30).json()["stable"]["seqnos"]
+        seqnos = (
+            shared_client().get(f"{daemon.url}/snapshots", timeout=30).json()["stable"]["seqnos"]
+        )
         first, last = SLICES[name]
         vector.update({str(vb): seqnos[vb] for vb in range(first, last + 1) if seqnos[vb]})
     assert sum(vector.values()) == len(cluster.documents)
@@ -755,7 +763,7 @@ def test_a_stream_over_a_cluster_map_reads_each_nodes_changes_once(
     parts = decode_cluster_token(end)
     assert sorted(parts) == sorted(SLICES)
     for name, daemon in cluster.nodes.items():
-        stats = http().get(f"{daemon.url}/stats", timeout=30).json()["changes"]
+        stats = shared_client().get(f"{daemon.url}/stats", timeout=30).json()["changes"]
         assert stats["id"] == parts[name].split(".")[0]  # each node's own history
         assert "cluster-copy" in stats["leases"]
 
