@@ -12,17 +12,16 @@ import subprocess
 import time
 from typing import Any
 
-import httpx
-
 from indexer.client import NEXT_HEADER
 from tests.e2e.conftest import INDEXES, WAIT_S, Daemon, indexer_command, model
 from tests.e2e.stream_client import FAST_PERSIST, VBUCKETS, Source, feed
+from tests.harness import http
 
 NAME = "by_city"
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def _entry(row: dict[str, Any]) -> str:

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.changes import decode_cluster_token
@@ -19,13 +18,13 @@ from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model, wait_equal, write_jsonl
 from tests.e2e.stream_client import FAST_PERSIST
 from tests.e2e.test_changes import _entry, replay
-from tests.harness import write_cluster_map
+from tests.harness import http, write_cluster_map
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def write_map(path: Path, nodes: dict[str, tuple[Daemon, str]]) -> Path:

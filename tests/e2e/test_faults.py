@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
@@ -26,6 +25,7 @@ from tests.e2e.conftest import (
     RssSampler,
     dump,
     free_port,
+    http,
     model,
     scan,
     wait_equal,
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 MiB = 1 << 20
 FAST_PERSIST: dict[str, dict[str, Any]] = {

@@ -16,12 +16,13 @@ import pytest
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import Daemon, free_port, model, run_feed, write_config, write_jsonl
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def ndjson(response: httpx.Response) -> list[dict[str, Any]]:

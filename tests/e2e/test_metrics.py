@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -18,13 +17,14 @@ from prometheus_client.samples import Sample
 from indexer.router import Workload, generate
 from indexer.router.documents import Document
 from tests.e2e.conftest import WAIT_S, Daemon, model, run_feed, wait_equal, write_jsonl
+from tests.harness import http
 from workers.flush import FAULT_ENOSPC_FILE
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 VERSION = importlib.metadata.version("indexer")
 

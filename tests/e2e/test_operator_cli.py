@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import httpx
 import pytest
 from click.testing import CliRunner
 
@@ -29,6 +28,7 @@ from tests.e2e.conftest import (
     WAIT_S,
     Daemon,
     free_port,
+    http,
     indexer_command,
     model,
     run_feed,
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

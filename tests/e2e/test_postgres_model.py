@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
-import httpx
 import psycopg2
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -29,13 +28,13 @@ from hypothesis import strategies as st
 from indexer.router.documents import Document
 from tests.e2e.conftest import WAIT_S, Daemon, Router, free_port, model, write_config
 from tests.e2e.test_postgres_source import dsn, pg, run  # noqa: F401 (pg: the fixture)
-from tests.harness import Postgres
+from tests.harness import Postgres, http
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 DATABASE = "t_postgres_model"
 TABLE = "CREATE TABLE items (id text PRIMARY KEY, flag boolean, n integer, big jsonb)"

@@ -16,20 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg2
 import psycopg2.extras
 import pytest
 
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import WAIT_S, Daemon, Router, free_port, model, write_config
-from tests.harness import Postgres, find_postgres, indexer_command
+from tests.harness import Postgres, find_postgres, http, indexer_command
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 LOGICAL = {"wal_level": "logical", "max_wal_senders": "10", "max_replication_slots": "10"}
 PARTIAL = {"indexes.adults": {"keys": ["age"], "where": "age >= 18"}}

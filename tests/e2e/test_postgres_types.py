@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg2
 import pytest
 
@@ -24,13 +23,13 @@ from indexer.router.documents import Document
 from indexer.router.source.log import SourceLog
 from tests.e2e.conftest import WAIT_S, Daemon, free_port, model, write_config
 from tests.e2e.test_postgres_source import dsn, pg, run, start_router  # noqa: F401 (fixture)
-from tests.harness import Postgres
+from tests.harness import Postgres, http
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 SCHEMA = """
 CREATE DOMAIN posint AS integer CHECK (VALUE > 0);

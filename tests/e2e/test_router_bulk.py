@@ -13,13 +13,13 @@ import pytest
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import scan, wait_equal
-from tests.harness import INDEXES, jsonl_lines, model
+from tests.harness import INDEXES, http, jsonl_lines, model
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def bulk_body(documents: list[Document]) -> bytes:

@@ -9,18 +9,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import wait_equal, write_jsonl
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 HALVES = ("0-511", "512-1023")
 

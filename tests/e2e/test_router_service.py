@@ -19,6 +19,7 @@ from indexer.routes import DAEMON_ROUTES, ROUTER_ROUTES
 from indexer.storage import COMPACTION_NICE
 from tests.e2e.conftest import (
     WAIT_S,
+    http,
     indexer_command,
     model,
     scan,
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def test_a_followed_file_reaches_two_daemons(

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from indexer.router import SourceLog, Workload, generate
@@ -21,12 +20,13 @@ from indexer.router.shards.messages import InputPosition
 from tests.e2e.conftest import WAIT_S, indexer_command, model, scan, wait_equal, write_jsonl
 from tests.e2e.test_cluster import owned_by, write_map
 from tests.e2e.test_index_build import ZIP, wait_active
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def docid_in(first: int, last: int, prefix: str) -> str:

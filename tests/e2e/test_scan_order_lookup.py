@@ -9,18 +9,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import pytest
 
 from indexer.router import Workload, generate
 from indexer.router.documents import Document
 from tests.e2e.conftest import INDEXES, indexer_command, model, run_feed, write_jsonl
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def ndjson(url: str, **params: Any) -> list[dict[str, Any]]:

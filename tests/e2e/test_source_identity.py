@@ -14,12 +14,13 @@ import pytest
 
 from indexer.router import Workload, generate
 from tests.e2e.conftest import indexer_command, run_feed, wait_equal, write_jsonl
+from tests.harness import http
 
 pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def feed_state(state: Path, jsonl: Path, address: str) -> subprocess.CompletedProcess[str]:

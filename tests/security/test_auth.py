@@ -18,6 +18,7 @@ from indexer.router import Workload, generate
 from indexer.router.documents import Document
 from indexer.spark import Access, IndexerSourceError, index_keys, pinned
 from tests.e2e.conftest import INDEXES, Daemon, indexer_command, model, run_feed, write_jsonl
+from tests.harness import http
 from tests.security.conftest import (
     TOKEN,
     WRONG_TOKEN,
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.e2e
 
 # One client for the module's requests: a new one per call (httpx.get) builds its TLS
 # context each time, which costs more than the request on a busy machine.
-HTTP = httpx.Client()
+HTTP = http()  # the harness's client: no kept-alive connections
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
