@@ -73,12 +73,17 @@ if __name__ == "__main__":
         def has_ext_modules(self) -> bool:
             return COMPILING  # a platform wheel, and build_ext runs
 
+    # Commands that only describe the distribution: pip's metadata step (dist_info) finalizes
+    # build_ext too, to list the extensions' sources, and mypyc's type check there would be
+    # paid twice.
+    DESCRIBING = {"dist_info", "egg_info", "sdist"}
+
     class BuildHotModules(build_ext):
-        """Asks mypyc for the extensions only when they are built: pip imports setup.py for the
-        metadata too, and mypyc's type check there would be paid twice."""
+        """Asks mypyc for the extensions only when they are built."""
 
         def finalize_options(self) -> None:
-            if not self.distribution.ext_modules:
+            describing = set(self.distribution.commands) <= DESCRIBING
+            if not self.distribution.ext_modules and not describing:
                 os.chdir(ROOT)  # mypyc writes its C under build/
                 self.distribution.ext_modules = hot_extensions()
             super().finalize_options()

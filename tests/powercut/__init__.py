@@ -68,8 +68,11 @@ class PowerLoss:
         self._baseline: dict[int, int] = {}
         self.arm()
 
-    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """The environment of a process under the layer."""
+    def env(
+        self, base: dict[str, str] | None = None, slow_sync: tuple[str, int] | None = None
+    ) -> dict[str, str]:
+        """The environment of a process under the layer. `slow_sync` (a file-name suffix and
+        milliseconds) makes each sync of such a file that much slower, as a slow disk."""
         env = dict(os.environ if base is None else base)
         env.update(
             LD_PRELOAD=str(self.library),
@@ -77,6 +80,8 @@ class PowerLoss:
             POWERCUT_JOURNAL=str(self.journal),
             POWERCUT_GRAVE=str(self.grave),
         )
+        if slow_sync is not None:
+            env["POWERCUT_SLOW_SYNC"] = f"{slow_sync[0]}:{slow_sync[1]}"
         return env
 
     def arm(self) -> None:

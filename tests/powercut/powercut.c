@@ -12,6 +12,10 @@
  * POWERCUT_JOURNAL (the journal, appended to), POWERCUT_GRAVE (a directory on the same
  * filesystem where a replaced or unlinked file is kept as a hard link, so a cut can bring
  * its name back). Without POWERCUT_DIR every call only passes through.
+ * POWERCUT_SLOW_SYNC="SUFFIX:MS" (optional) makes every fsync or fdatasync of a watched file
+ * whose name ends in SUFFIX take MS milliseconds more, as a slow disk would: a test widens the
+ * windows in which a process waits on such a sync (LevelDB's table files, ".ldb") and cuts the
+ * power inside them.
  *
  * Journal lines, fields separated by tabs (one write each, O_APPEND):
  *   sync INO SIZE             a file synced at SIZE bytes (or a directory: SIZE -1)
@@ -30,12 +34,16 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 static char watch[PATH_MAX];
 static size_t watch_len;
 static char grave[PATH_MAX];
 static int journal = -1;
+static char slow_suffix[64];
+static size_t slow_suffix_len;
+static long slow_ms;
 
 __attribute__((constructor)) static void powercut_init(void) {
     const char *dir = getenv("POWERCUT_DIR");
@@ -46,6 +54,13 @@ __attribute__((constructor)) static void powercut_init(void) {
     watch_len = strlen(watch);
     while (watch_len > 1 && watch[watch_len - 1] == '/') watch[--watch_len] = '\0';
     snprintf(grave, sizeof grave, "%s", keep);
+    const char *slow = getenv("POWERCUT_SLOW_SYNC");
+    const char *colon = slow == NULL ? NULL : strrchr(slow, ':');
+    if (colon != NULL && (size_t)(colon - slow) < sizeof slow_suffix) {
+        memcpy(slow_suffix, slow, (size_t)(colon - slow));
+        slow_suffix_len = (size_t)(colon - slow);
+        slow_ms = strtol(colon + 1, NULL, 10);
+    }
     int (*real_open)(const char *, int, ...) = dlsym(RTLD_NEXT, "open");
     journal = real_open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
 }
@@ -110,9 +125,26 @@ static void note_sync(int fd) {
          S_ISDIR(st.st_mode) ? -1LL : (long long)st.st_size);
 }
 
+/* POWERCUT_SLOW_SYNC: a sync of a watched file with the suffix waits first. */
+static void slow_down(int fd) {
+    if (journal < 0 || slow_ms <= 0) return;
+    char link[64], path[PATH_MAX];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (n < (ssize_t)slow_suffix_len) return;
+    path[n] = '\0';
+    if (!under_watch(path) || strcmp(path + n - slow_suffix_len, slow_suffix) != 0) return;
+    int saved = errno;
+    struct timespec pause = {slow_ms / 1000, (slow_ms % 1000) * 1000000L};
+    while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
+    }
+    errno = saved;
+}
+
 int fsync(int fd) {
     static int (*real)(int);
     if (real == NULL) real = dlsym(RTLD_NEXT, "fsync");
+    slow_down(fd);
     int r = real(fd);
     if (r == 0) note_sync(fd);
     return r;
@@ -121,6 +153,7 @@ int fsync(int fd) {
 int fdatasync(int fd) {
     static int (*real)(int);
     if (real == NULL) real = dlsym(RTLD_NEXT, "fdatasync");
+    slow_down(fd);
     int r = real(fd);
     if (r == 0) note_sync(fd);
     return r;

@@ -171,3 +171,33 @@ def test_an_empty_file_the_journal_missed_is_a_create_the_cut_undoes(layer: Powe
     report = layer.cut()
     assert report.creates_undone == [str(layer.root / "snapshot.tmp")]
     assert not (layer.root / "snapshot.tmp").exists()
+
+
+SYNCS = """
+import time
+def synced(name):
+    with open(os.path.join(ROOT, name), "wb") as f:
+        f.write(b"x" * 10)
+        f.flush()
+        start = time.monotonic()
+        os.fsync(f.fileno())
+        return time.monotonic() - start
+print(synced("000005.ldb"), synced("000006.log"), flush=True)
+"""
+
+
+def test_a_slow_sync_slows_the_files_it_names_and_still_counts(layer: PowerLoss) -> None:
+    """POWERCUT_SLOW_SYNC: a slow disk for one kind of file, so that a test can cut the power
+    while a process waits on such a sync."""
+    code = f"import os\nROOT = {str(layer.root)!r}\n" + SYNCS
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=layer.env(slow_sync=(".ldb", 300)),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    table, log = (float(field) for field in done.stdout.split())
+    assert table >= 0.3 and log < 0.3, (table, log)
+    report = layer.cut()
+    assert report.bytes_lost == 0 and report.creates_undone == []  # both syncs count
