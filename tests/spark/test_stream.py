@@ -228,14 +228,15 @@ def test_a_driver_killed_mid_stream_goes_on_from_its_checkpoint(
     for vb in VBUCKETS:
         source.write(vb, 40)
     feed(daemon, source)
-    # The same query goes on from the killed driver's checkpoint, here.
+    # The same query goes on from the killed driver's checkpoint, here, in larger batches
+    # (the small ones were for a kill mid-stream).
     run_query(
         spark,
         out,
         checkpoint,
         url=daemon.url,
         startingOffsets="snapshot",
-        maxEntriesPerTrigger="25",
+        maxEntriesPerTrigger="1000",
     )
     entries, batches = replayed(spark, out)
     assert entries == modelled(source)
