@@ -1,6 +1,11 @@
 # The two commands of the README: `make demo` and `make test`. Both create .venv on first use,
 # saying in one line per step what they wait on.
 PYTHON ?= python3
+# Python's bytecode cache stays on here: an environment that turns it off (PYTHONDONTWRITEBYTECODE,
+# as container images often do) would make every daemon, router and CLI process a test or the
+# demo starts compile its imports again, about 0.9 s of CPU each (1.2 s to import the daemon with
+# the cache, 2.1 s without).
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
