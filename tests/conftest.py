@@ -33,21 +33,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # hands whole files to its test processes in collection order (--dist loadfile), so these go
 # first: a long file started last would run on alone after the others finish.
 LONGEST_FIRST = (
-    "tests/spark/test_standalone_cluster.py",
     "tests/e2e/test_power_loss.py",
-    "tests/test_packaging.py",
-    "tests/spark/test_writer.py",
-    "tests/spark/test_spark.py",
     "tests/spark/test_stream.py",
+    "tests/spark/test_spark.py",
+    "tests/spark/test_writer.py",
+    "tests/spark/test_standalone_cluster.py",
+    "tests/test_packaging.py",
     "tests/e2e/test_postgres_source.py",
-    "tests/fuzz/test_protocol_model.py",
-    "tests/e2e/test_deferred_build.py",
-    "tests/e2e/test_ingest.py",
-    "tests/e2e/test_index_build.py",
-    "tests/e2e/test_router_shards.py",
     "tests/e2e/test_faults.py",
-    "tests/security/test_tls.py",
+    "tests/e2e/test_router_shards.py",
+    "tests/e2e/test_ingest.py",
+    "tests/e2e/test_deferred_build.py",
+    "tests/e2e/test_rollback.py",
+    "tests/e2e/test_operator_cli.py",
     "tests/test_pure_python.py",
+    "tests/fuzz/test_protocol_model.py",
 )
 
 
