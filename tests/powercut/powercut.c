@@ -112,28 +112,32 @@ static void keep_in_grave(const char *path, ino_t ino) {
     errno = saved;
 }
 
-static void note_sync(int fd) {
-    if (journal < 0) return;
-    char link[64], path[PATH_MAX];
+/* The path of `fd` into `path` if it is under the watched directory: its length, or -1. */
+static ssize_t watched_path(int fd, char *path) {
+    if (journal < 0) return -1;
+    char link[64];
     snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, path, sizeof path - 1);
-    if (n < 0) return;
+    ssize_t n = readlink(link, path, PATH_MAX - 1);
+    if (n < 0) return -1;
     path[n] = '\0';
+    return under_watch(path) ? n : -1;
+}
+
+static void note_sync(int fd) {
+    char path[PATH_MAX];
     struct stat st;
-    if (!under_watch(path) || fstat(fd, &st) != 0) return;
+    if (watched_path(fd, path) < 0 || fstat(fd, &st) != 0) return;
     note("sync\t%lu\t%lld\n", (unsigned long)st.st_ino,
          S_ISDIR(st.st_mode) ? -1LL : (long long)st.st_size);
 }
 
 /* POWERCUT_SLOW_SYNC: a sync of a watched file with the suffix waits first. */
 static void slow_down(int fd) {
-    if (journal < 0 || slow_ms <= 0) return;
-    char link[64], path[PATH_MAX];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, path, sizeof path - 1);
-    if (n < (ssize_t)slow_suffix_len) return;
-    path[n] = '\0';
-    if (!under_watch(path) || strcmp(path + n - slow_suffix_len, slow_suffix) != 0) return;
+    if (slow_ms <= 0) return;
+    char path[PATH_MAX];
+    ssize_t n = watched_path(fd, path);
+    if (n < (ssize_t)slow_suffix_len || strcmp(path + n - slow_suffix_len, slow_suffix) != 0)
+        return;
     int saved = errno;
     struct timespec pause = {slow_ms / 1000, (slow_ms % 1000) * 1000000L};
     while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
