@@ -120,6 +120,20 @@ def scan(daemon: Daemon, name: str, consistency: str = "request_plus") -> list[d
     return [json.loads(line) for line in answer.text.splitlines() if line]
 
 
+def wait_active(daemon: Daemon, name: str, timeout: float = WAIT_S) -> None:
+    """Until index `name` has finished its build (a request_plus scan of a building index
+    answers 409 by design)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = http().get(f"{daemon.url}/indexes", timeout=10)
+        assert answer.status_code == 200, answer.text
+        states = {i["name"]: i["state"] for i in answer.json()["indexes"]}
+        if states.get(name) == "active":
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.05)
+
+
 def wait_equal(daemon: Daemon, documents: list[Document], timeout: float = WAIT_S) -> None:
     """Until every index of the daemon equals the model of `documents` (request_plus scans)."""
     want = {name: model(documents, paths) for name, paths in INDEXES.items()}

@@ -24,6 +24,7 @@ from tests.e2e.conftest import (
     model,
     scan,
     thread_nices,
+    wait_active,
     wait_equal,
     write_jsonl,
 )
@@ -123,6 +124,7 @@ def test_the_documents_api_puts_and_deletes(
         assert HTTP.put(f"{url}/docs/{document.docid}", json=document.body).status_code == 200
     documents += zipped
     wait_equal(daemon, documents)
+    wait_active(daemon, "by_zip")
     assert scan(daemon, "by_zip") == model(documents, ["zip"])
     # Both run under the collector policy of indexer/collector.py, and time its pauses.
     for stats_url in (url, daemon.url):
