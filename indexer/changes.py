@@ -25,6 +25,8 @@ without a Python step per document; records of the row layout written before, (i
 
 from __future__ import annotations
 
+import base64
+import binascii
 import bisect
 import json
 import marshal
@@ -109,15 +111,26 @@ class HistoryGoneError(Exception):
 @dataclass(frozen=True)
 class ChangeToken:
     """Where a reader of the feed is: at mark `since`, or part way from `since` to `until`,
-    having read every record up to (`vbucket`, `seqno`) of that interval."""
+    having read every record up to (`vbucket`, `seqno`) of that interval; or inside the
+    snapshot start at mark `since`, having read every entry up to `entry` (encoded key and
+    tail, in index order)."""
 
     history: str
     since: int
     until: int | None = None
     vbucket: int = 0
     seqno: int = 0
+    entry: bytes | None = None
+
+    @property
+    def at_mark(self) -> bool:
+        """Whether the token is a mark's: every change up to it read, nothing part way."""
+        return self.until is None and self.entry is None
 
     def encode(self) -> str:
+        if self.entry is not None:
+            text = base64.urlsafe_b64encode(self.entry).decode().rstrip("=")
+            return f"{self.history}.{self.since}.{SNAPSHOT_PART}.{text}"
         if self.until is None:
             return f"{self.history}.{self.since}"
         return f"{self.history}.{self.since}.{self.until}.{self.vbucket}.{self.seqno}"
@@ -126,6 +139,11 @@ class ChangeToken:
     def decode(cls, text: str) -> ChangeToken:
         parts = text.strip().split(".")
         try:
+            if len(parts) == 4 and parts[0] and parts[1].isdigit() and parts[2] == SNAPSHOT_PART:
+                entry = base64.urlsafe_b64decode(parts[3] + "=" * (-len(parts[3]) % 4))
+                if entry and base64.urlsafe_b64encode(entry).decode().rstrip("=") == parts[3]:
+                    return cls(parts[0], int(parts[1]), entry=entry)
+                raise ValueError
             if not parts[0] or any(not p.isdigit() for p in parts[1:]):
                 raise ValueError
             if len(parts) == 2:
@@ -135,9 +153,12 @@ class ChangeToken:
                 if since > until or min(since, vb, seqno) < 0:
                     raise ValueError
                 return cls(parts[0], since, until, vb, seqno)
-        except ValueError:
+        except (ValueError, binascii.Error):
             pass
         raise ChangeTokenError(f"{text!r} is not a token the change feed gave")
+
+
+SNAPSHOT_PART = "s"  # the third part of a token inside a snapshot start
 
 
 def encode_cluster_token(parts: dict[str, str]) -> str:
@@ -734,9 +755,12 @@ class ChangeHistory:
             "history kept, or rolled back): start again from a snapshot (since=snapshot)"
         )
 
-    def statistics(self) -> dict[str, Any]:
-        """The history kept, for /stats: its marks (the oldest is where tokens may start) and
-        the start of each index's history. Reads the first and last mark and counts keys."""
+    def statistics(
+        self, keep_s: float | None = None, keep_marks: int = 1, keep_bytes: int | None = None
+    ) -> dict[str, Any]:
+        """The history kept, for /stats: its marks (the oldest is where tokens may start), the
+        start of each index's history, and with the retention's bounds what each holds now.
+        Reads the first and last mark and counts keys."""
         db = self.store.db
         count = sum(1 for _ in db.iterator(start=MARK_PREFIX, stop=b"n", include_value=False))
         first = next(db.iterator(start=MARK_PREFIX, stop=b"n"), None)
@@ -747,7 +771,7 @@ class ChangeHistory:
         )
         latest = None if last is None else _MARK.unpack_from(last[0], cut)[0]
         sizes = db.approximate_sizes((HISTORY_PREFIX, b"i"))
-        return {
+        answer = {
             "id": self.history_id,
             "marks": count,
             "oldest": None if oldest is None else f"{self.history_id}.{oldest.number}",
@@ -762,4 +786,38 @@ class ChangeHistory:
                 }
                 for lease in list(self.leases.values())
             },
+        }
+        if keep_s is not None:
+            answer["retention"] = self._holding(keep_s, keep_marks, keep_bytes, int(sizes[0]))
+        return answer
+
+    def _holding(
+        self, keep_s: float, keep_marks: int, keep_bytes: int | None, size: int
+    ) -> dict[str, Any]:
+        """Each retention bound, and what keeps the oldest mark now (the next prune drops
+        what none of them keeps)."""
+        marks = list(self.marks())
+        now = time.time()
+        oldest = marks[0] if marks else None
+        held_by = []
+        if oldest is not None:
+            if now - oldest.persisted_at <= keep_s:
+                held_by.append("age")
+            if len(marks) <= max(keep_marks, 1):
+                held_by.append("snapshots")
+            held_by += [
+                f"lease {lease.name}"
+                for lease in list(self.leases.values())
+                if lease.mark <= oldest.number and lease.expires_at > now
+            ]
+        live = [lease.mark for lease in list(self.leases.values()) if lease.expires_at > now]
+        return {
+            "age": {
+                "bound_s": keep_s,
+                "marks": sum(1 for m in marks if now - m.persisted_at <= keep_s),
+            },
+            "snapshots": {"bound": max(keep_marks, 1), "marks": min(len(marks), keep_marks)},
+            "size": {"bound_bytes": keep_bytes, "history_bytes": size},
+            "leases": {"marks": sum(1 for m in marks if live and m.number >= min(live))},
+            "oldest_kept_by": held_by,
         }

@@ -263,6 +263,35 @@ def _compression(section: _Section) -> str | None:
     return COMPRESSIONS[value]
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MAX_RETENTION_S = 3650 * 86400.0  # ten years
+
+
+def _aliases(override: dict[str, Any]) -> None:
+    """The old names of options, read as the new ones: `changes.retention_minutes` (whole
+    minutes) as `retention`, `changes.retention_mb` (0: no bound) as `retention_size`."""
+    changes = override.get("changes")
+    if not isinstance(changes, dict):
+        return
+    for old, new in (("retention_minutes", "retention"), ("retention_mb", "retention_size")):
+        if old not in changes:
+            continue
+        if new in changes:
+            raise ConfigError(f"changes.{old}: the old name of changes.{new}; give only one")
+        value = changes.pop(old)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(
+                f"changes.{old}: must be a whole number of {old.split('_')[1]} (0 or more), "
+                f"not {value!r}; changes.{new} takes "
+                + ('a duration such as "90s"' if new == "retention" else 'a size such as "512MiB"')
+            )
+        if new == "retention":
+            changes[new] = f"{value}m"
+        else:
+            changes[new] = f"{value}MiB" if value else "none"
+
+
 class _Section:
     """Typed reads of one table, each naming the key on error."""
 
@@ -286,6 +315,35 @@ class _Section:
         if not low <= value <= high:
             raise self.fail(key, f"must be from {low} to {high}, not {value!r}")
         return float(value)
+
+    def duration(self, key: str, most_s: float) -> float:
+        """A duration as "90s", "15m", "2h", "7d" or "500ms", in seconds."""
+        value = self.table[key]
+        found = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+        if found is None:
+            raise self.fail(
+                key, f'must be a duration such as "90s", "15m", "2h" or "0s", not {value!r}'
+            )
+        seconds = float(found[1]) * _DURATION_UNITS[found[2]]
+        if seconds > most_s:
+            raise self.fail(key, f"must be at most {most_s / 86400:g} days, not {value!r}")
+        return seconds
+
+    def size_or_none(self, key: str) -> int | None:
+        """A size in bytes ("512MiB", "2GB"; KiB, MiB, GiB, TiB or KB, MB, GB, TB), or None for
+        "none"."""
+        value = self.table[key]
+        if isinstance(value, str) and value.strip().lower() == "none":
+            return None
+        try:
+            size = parse_size(value, 0) if isinstance(value, str) else 0
+        except ValueError:
+            size = 0
+        if size <= 0:
+            raise self.fail(
+                key, f'must be "none" (no bound) or a size over 0 such as "512MiB", not {value!r}'
+            )
+        return size
 
     def text(self, key: str) -> str:
         value = self.table[key]
@@ -395,6 +453,7 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         if "indexes" in override:
             default.pop("indexes")
             default["indexes"] = {}
+        _aliases(override)
         raw = _merge(default, override)
     total = psutil.virtual_memory().total
 
@@ -474,9 +533,9 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         raise ch.fail("history", "must be true or false")
     changes = ChangesConfig(
         history=history,
-        retention_s=ch.integer("retention_minutes", 0, 5_256_000) * 60.0,
+        retention_s=ch.duration("retention", MAX_RETENTION_S),
         retention_snapshots=ch.integer("retention_snapshots", 1, 1_000_000),
-        retention_bytes=ch.integer("retention_mb", 0, 1 << 30) * (1 << 20) or None,
+        retention_bytes=ch.size_or_none("retention_size"),
     )
     return Config(
         server,

@@ -304,9 +304,13 @@ class SnapshotStore:
         self.last_rollback = snapshot.timestamp
         self.record_persisted(snapshot, 0.0)
 
-    def pin(self, snapshot: StabilitySnapshot, lease_s: float) -> Pin:
-        self._pin_numbers += 1
-        pin = Pin(f"p{self._pin_numbers}", snapshot.acquire(), lease_s, time.monotonic() + lease_s)
+    def pin(self, snapshot: StabilitySnapshot, lease_s: float, pin_id: str | None = None) -> Pin:
+        """Hold `snapshot` for `lease_s` seconds, as `pin_id` (a reader's: the next `pN`)."""
+        if pin_id is None:
+            self._pin_numbers += 1
+            pin_id = f"p{self._pin_numbers}"
+        self.unpin(pin_id)
+        pin = Pin(pin_id, snapshot.acquire(), lease_s, time.monotonic() + lease_s)
         self.pins[pin.pin_id] = pin
         return pin
 

@@ -536,6 +536,29 @@ class IndexStore:
         for key in source.iterator(prefix=prefix, include_value=False):
             yield key[cut:]
 
+    def main_range(
+        self,
+        index: StoredIndex,
+        snapshot: Any,
+        after: bytes | None = None,
+        through: bytes | None = None,
+    ) -> Iterator[bytes]:
+        """`main_entries` of `snapshot` after entry `after` (excluded) up to `through`
+        (included); None: from the first, to the last."""
+        prefix = index.main_prefix
+        cut = len(prefix)
+        start = prefix + after if after is not None else prefix
+        stop = prefix + through if through is not None else _after_prefix(prefix)
+        keys = snapshot.iterator(
+            start=start,
+            stop=stop,
+            include_start=after is None,
+            include_stop=through is not None,
+            include_value=False,
+        )
+        for key in keys:
+            yield key[cut:]
+
 
 def _after_prefix(prefix: bytes) -> bytes:
     """The first key after every key that starts with `prefix` (a prefix of 0xff bytes only

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import trio
 
+from indexer.changefeed.start import PAGES_LEASE_S, SnapshotStart, pages_lease, pages_pin
 from indexer.changes import (
     ChangeBlock,
     ChangeHistory,
-    ChangeRow,
     ChangeToken,
     ChangeTokenError,
     HistoryGoneError,
@@ -38,7 +38,7 @@ from indexer.http.wire import (
 from indexer.keys import decode_key, split_tail
 from indexer.scans import COLUMN_KINDS, Row, column_value, json_encode
 from indexer.snapshots import StabilitySnapshot
-from indexer.storage import IndexStore, StoredIndex
+from indexer.storage import StoredIndex
 
 CHANGE_STARTS = ("snapshot", "0", "latest")
 """`since` values that are no token: the whole index at the latest persisted snapshot, then
@@ -111,7 +111,7 @@ class ChangeRows:
         self.count = len(index.definition.keys)
         self.desc = index.definition.desc
         self.history_id = history_id
-        self.rows = rows if rows is not None else iter(())  # (op, encoded key, docid, mark)
+        self.rows = rows  # (op, encoded key, docid, mark), sent before the records
         self.records = records if records is not None else iter(())
         self.sent = 0
         # Keys repeat across chunks (cities, ages): each is decoded and converted once.
@@ -119,7 +119,40 @@ class ChangeRows:
         self._converted: dict[bytes, list[Any]] = {}
 
     def _next(self) -> _Chunk | None:
-        """The next chunk of rows (whole records, about SCAN_CHUNK documents), None at the end."""
+        """The next chunk of rows (about SCAN_CHUNK), None at the end: the one-by-one rows
+        first (a snapshot start's), then the records' (the changes after it)."""
+        if self.rows is not None:
+            chunk = self._next_rows()
+            if chunk is not None:
+                return chunk
+            self.rows = None
+        return self._next_records()
+
+    def _next_rows(self) -> _Chunk | None:
+        assert self.rows is not None
+        inserts: list[bool] = []
+        keys: list[bytes] = []
+        ids: list[bytes] = []
+        names: list[str] = []
+        last_mark, name = -1, ""
+        for op, key, docid, mark in islice(self.rows, SCAN_CHUNK):
+            if mark != last_mark:
+                last_mark, name = mark, f"{self.history_id}.{mark}"
+            inserts.append(op == "insert")
+            keys.append(key)
+            ids.append(docid)
+            names.append(name)
+        if not keys:
+            return None
+        return _Chunk(
+            np.array(inserts, dtype=bool),
+            pa.array(keys, pa.binary()),
+            pa.array(ids, pa.binary()),
+            pa.array(names, pa.string()),
+        )
+
+    def _next_records(self) -> _Chunk | None:
+        """The rows of the next records (whole records, about SCAN_CHUNK documents)."""
         docids: list[bytes] = []
         olds: list[bytes] = []
         news: list[bytes] = []
@@ -134,35 +167,27 @@ class ChangeRows:
             snapshots += [name] * len(block.docids)
             if len(docids) >= SCAN_CHUNK:
                 break
-        if docids and not self.index.array:
+        if not docids:
+            return None
+        if not self.index.array:
             return _document_rows(docids, olds, news, snapshots)
-        # An array index (entries per document differ by set), or a snapshot's entries.
+        # An array index: entries per document differ by set.
         inserts: list[bool] = []
         keys: list[bytes] = []
         ids: list[bytes] = []
         names: list[str] = []
-        if docids:
-            documents = ChangeBlock(0, 0, range(len(docids)), docids, olds, news)
-            for at, docid, gone, came in document_changes(self.index, documents):
-                for key in gone:
-                    inserts.append(False)
-                    keys.append(key)
-                    ids.append(docid)
-                    names.append(snapshots[at])
-                for key in came:
-                    inserts.append(True)
-                    keys.append(key)
-                    ids.append(docid)
-                    names.append(snapshots[at])
-        for op, key, docid, mark in islice(self.rows, max(0, SCAN_CHUNK - len(keys))):
-            if mark != last_mark:
-                last_mark, name = mark, f"{self.history_id}.{mark}"
-            inserts.append(op == "insert")
-            keys.append(key)
-            ids.append(docid)
-            names.append(name)
-        if not keys and not docids:
-            return None
+        documents = ChangeBlock(0, 0, range(len(docids)), docids, olds, news)
+        for at, docid, gone, came in document_changes(self.index, documents):
+            for key in gone:
+                inserts.append(False)
+                keys.append(key)
+                ids.append(docid)
+                names.append(snapshots[at])
+            for key in came:
+                inserts.append(True)
+                keys.append(key)
+                ids.append(docid)
+                names.append(snapshots[at])
         return _Chunk(
             np.array(inserts, dtype=bool),
             pa.array(keys, pa.binary()),
@@ -239,44 +264,6 @@ def _docid_texts(docids: pa.BinaryArray) -> pa.StringArray:
         return pa.array(texts, pa.string())
 
 
-def _snapshot_rows(
-    store: IndexStore, index: StoredIndex, snap: StabilitySnapshot, mark: int
-) -> Iterator[tuple[str, bytes, bytes, int]]:
-    """Every entry of the index at a snapshot, as inserts (the start of "snapshot, then
-    changes")."""
-    for entry in store.main_entries(index, snap.store_snapshot):
-        key, docid = split_tail(entry)
-        yield "insert", key, docid, mark
-
-
-def _rows_at(
-    store: IndexStore,
-    index: StoredIndex,
-    snap: StabilitySnapshot,
-    since: list[ChangeRow],
-    mark: int,
-) -> Iterator[tuple[str, bytes, bytes, int]]:
-    """Every entry of the index at an older mark, as inserts: the entries of `snap` of the
-    documents that did not change since, then those that did with their changes taken back
-    (memory holds the changed documents only)."""
-    changed: dict[bytes, set[bytes]] = {row.docid: set() for row in since}
-    for op, key, docid, _ in _snapshot_rows(store, index, snap, mark):
-        keys = changed.get(docid)
-        if keys is None:
-            yield op, key, docid, mark
-        else:
-            keys.add(key)
-    for row in reversed(since):  # a document's changes are in the order they happened
-        keys = changed[row.docid]
-        if row.op == "insert":
-            keys.discard(row.key)
-        else:
-            keys.add(row.key)
-    for docid, keys in changed.items():
-        for key in sorted(keys):
-            yield "insert", key, docid, mark
-
-
 def _token_only(query: dict[str, str]) -> bool:
     """`only=token`: answer the token a read would end at (X-Indexer-Next), without its rows
     (how a reader finds where a limited micro-batch ends without reading it)."""
@@ -286,11 +273,40 @@ def _token_only(query: dict[str, str]) -> bool:
     return only == "token"
 
 
-def _all_rows(
-    history: ChangeHistory, index: StoredIndex, token: ChangeToken, until: int, source: Any
-) -> list[ChangeRow]:
-    rows, _ = history.read(index, token, until, source)
-    return list(rows)
+class _StartEnds(NamedTuple):
+    """Where a read of a snapshot start ends, as `until` says: at an entry inside the start
+    (`entry`, of `token`), or at a mark (`until`: its changes follow the start's end); the
+    start's mark, when `until` names it."""
+
+    token: ChangeToken | None = None
+    entry: bytes | None = None
+    until: int | None = None
+    mark: int | None = None
+
+
+def _start_ends(text: str | None, start: ChangeToken | None) -> _StartEnds:
+    """The `until` of a read of a snapshot start, checked against where it starts."""
+    if text is None:
+        return _StartEnds()
+    try:
+        end = ChangeToken.decode(text)
+        if end.until is not None:
+            raise ChangeTokenError(
+                "until: a snapshot's token, or one inside a snapshot start, with since=snapshot"
+            )
+    except ChangeTokenError as exc:
+        raise ApiError(400, str(exc)) from None
+    if end.entry is not None:
+        if start is not None and (
+            end.since != start.since or (start.entry is not None and end.entry < start.entry)
+        ):
+            raise ApiError(400, "until: a token after since, inside the same snapshot start")
+        return _StartEnds(end, end.entry, None, end.since)
+    if start is not None:
+        if end.since < start.since:
+            raise ApiError(400, "until: a token at or after the snapshot start's")
+        return _StartEnds(end, None, end.since, None)
+    return _StartEnds(end, None, end.since, end.since)
 
 
 class ChangeRoutes(ScanRoutes):
@@ -330,30 +346,36 @@ class ChangeRoutes(ScanRoutes):
         if not arrow and "columns" in query:
             raise ApiError(400, "columns: for Arrow answers (Accept: " + ARROW + ")")
         token_only = _token_only(query)
-        if since in CHANGE_STARTS:
-            if token_only:
+        if since == "latest":
+            if token_only or "until" in query:
                 raise ApiError(
                     400,
-                    "only=token: with a token in since (since=latest answers "
-                    "the latest snapshot's token)",
+                    f"{'only=token' if token_only else 'until'}: not taken with since=latest "
+                    "(which answers the latest snapshot's token alone)",
                 )
-            at = None
-            if "until" in query:
-                if since == "latest":
-                    raise ApiError(400, "until: not taken with since=latest")
-                try:
-                    at = ChangeToken.decode(query["until"])
-                    if at.until is not None:
-                        raise ChangeTokenError("until: a snapshot's token with since=snapshot")
-                except ChangeTokenError as exc:
-                    raise ApiError(400, str(exc)) from None
-            return await self._from_snapshot(history, index, since, limit, kinds, arrow, send, at)
+            return await self._latest(history, send)
+        start: ChangeToken | None = None
+        if since not in CHANGE_STARTS:
+            try:
+                start = ChangeToken.decode(since)
+            except ChangeTokenError as exc:
+                raise ApiError(400, str(exc)) from None
+        if start is None or start.entry is not None:
+            ends = _start_ends(query.get("until"), start)
+            return await self._from_snapshot(
+                history, index, start, ends, limit, kinds, arrow, send, token_only
+            )
         stop: ChangeToken | None = None
         try:
             token = ChangeToken.decode(since)
             until = latest.number
             if "until" in query:
                 end = ChangeToken.decode(query["until"])
+                if end.entry is not None:
+                    raise ChangeTokenError(
+                        "until: a token inside a snapshot start ends a read from that start "
+                        "(since=snapshot, or a token inside it)"
+                    )
                 if end.history != token.history:
                     raise ChangeTokenError("until: a token of the same history as since")
                 if end.until is None:
@@ -439,72 +461,179 @@ class ChangeRoutes(ScanRoutes):
                 await self.view.snapshots.wait_changed()
         return history.latest if history.latest is not None else latest
 
+    async def _latest(self, history: ChangeHistory, send: Send) -> int:
+        """since=latest: the token of the latest persisted snapshot, and no rows."""
+        snap = self.view.snapshots.persisted_snapshot
+        latest = history.latest
+        if snap is None or latest is None or snap.timestamp.seqnos != latest.timestamp:
+            raise ApiError(503, "a snapshot is being persisted: retry", {RETRY_AFTER: "1"})
+        token = f"{history.history_id}.{latest.number}"
+        await _respond(send, 200, b"", NDJSON, {NEXT_HEADER: token, SNAPSHOT_HEADER: token})
+        return 0
+
     async def _from_snapshot(
         self,
         history: ChangeHistory,
         index: StoredIndex,
-        since: str,
+        start: ChangeToken | None,
+        ends: _StartEnds,
         limit: int | None,
         kinds: Sequence[str],
         arrow: bool,
         send: Send,
-        at: ChangeToken | None = None,
+        token_only: bool,
     ) -> int:
-        """The whole index at the latest persisted snapshot, or at the older one `at` (the
-        latest's entries with the changes since `at` taken back), as inserts."""
-        if limit is not None and since != "latest":
-            raise ApiError(
-                400,
-                "limit: a snapshot start is sent whole (read it in pages with /scan and pin, "
-                "then read the changes from its token)",
-            )
+        """A snapshot start: every entry of the index at a mark, as inserts, from its first
+        (`start` None) or after the entry of a token inside it; at most `limit` of them (a page
+        never goes past the start's end), or up to `ends`, then the changes after the mark up
+        to `ends.until` when the read goes that far. The mark is the latest persisted
+        snapshot's, or that of the token or of `until`."""
         snaps = self.view.snapshots
-        snap = snaps.persisted_snapshot
+        persisted = snaps.persisted_snapshot
         latest = history.latest
-        if snap is None or latest is None or snap.timestamp.seqnos != latest.timestamp:
+        if persisted is None or latest is None or persisted.timestamp.seqnos != latest.timestamp:
             raise ApiError(503, "a snapshot is being persisted: retry", {RETRY_AFTER: "1"})
+        if start is not None:
+            mark = start.since
+        elif ends.mark is not None:
+            mark = ends.mark
+        else:
+            mark = latest.number
+        for token in (start, ends.token):
+            if token is not None and token.history != history.history_id:
+                raise ApiError(
+                    410,
+                    f"{token.encode()} is of another change history ({token.history}): start "
+                    "again from a snapshot (since=snapshot)",
+                )
+        if mark > latest.number:
+            raise ApiError(400, f"until: {history.history_id}.{mark} is not persisted yet")
+        until = mark if ends.until is None else min(ends.until, latest.number)
+        if ends.token is None and limit is None:
+            until = latest.number  # the start's rest, then the changes to the latest snapshot
+        if until < mark:
+            raise ApiError(400, "until: a token at or after the snapshot start's")
         try:
-            history.check_start(index, latest.number)
+            history.check_start(index, min(mark, latest.number))
         except HistoryGoneError as exc:
             raise ApiError(503, str(exc), {RETRY_AFTER: "2"}) from None
-        mark = latest.number if at is None else at.since
-        if at is not None and at.history != history.history_id:
-            raise ApiError(410, f"until: a token of another change history ({at.history})")
-        if mark > latest.number:
-            raise ApiError(400, f"until: {at.encode() if at else ''} is not persisted yet")
-        token = f"{history.history_id}.{mark}"
-        meta = {NEXT_HEADER: token, SNAPSHOT_HEADER: token}
-        snap.acquire()
+        paged = limit is not None or start is not None or ends.entry is not None
+        found = self._start_snapshot(history, mark, persisted, paged)
+        found.acquire()
+        source = self.view.store.snapshot()
+        records: Iterator[ChangeBlock] = iter(())
         try:
-            if not snap.is_open:
+            if not found.is_open:
                 raise ApiError(503, "the snapshot was released: retry", {RETRY_AFTER: "1"})
-            if since == "latest":
-                rows: Iterator[tuple[str, bytes, bytes, int]] = iter(())
-            elif mark == latest.number:
-                rows = _snapshot_rows(self.view.store, index, snap, mark)
-            else:
-                # Marks are written after their snapshot was published: a fresh store
-                # snapshot holds them, and the same records up to the latest mark.
-                source = self.view.store.snapshot()
-                try:
-                    back = await trio.to_thread.run_sync(
-                        _all_rows,
-                        history,
-                        index,
-                        ChangeToken(history.history_id, mark),
-                        latest.number,
-                        source,
-                    )
-                except HistoryGoneError as exc:
-                    raise ApiError(410, str(exc)) from None
-                finally:
-                    source.close()
-                rows = _rows_at(self.view.store, index, snap, back, mark)
-            answer = ChangeRows(index, history.history_id, rows)
+            try:
+                part, end, after = await trio.to_thread.run_sync(
+                    self._plan_start,
+                    history,
+                    index,
+                    found,
+                    latest.number,
+                    mark,
+                    start,
+                    ends,
+                    limit,
+                    until,
+                    paged,
+                    source,
+                )
+            except HistoryGoneError as exc:
+                raise ApiError(410, str(exc)) from None
+            meta = {NEXT_HEADER: after, SNAPSHOT_HEADER: f"{history.history_id}.{mark}"}
+            if token_only:
+                await _respond(send, 200, b"", NDJSON, meta)
+                return 0
+            rows = (
+                ("insert", *split_tail(entry), mark)
+                for entry in part.entries(None if start is None else start.entry, end)
+            )
+            if limit is None and ends.entry is None and until > mark:
+                records, _ = await trio.to_thread.run_sync(
+                    history.read_records,
+                    index,
+                    ChangeToken(history.history_id, mark),
+                    until,
+                    source,
+                )
+            answer = ChangeRows(index, history.history_id, rows, records)
             await self._send_rows(index, answer, kinds, arrow, meta, send)
         finally:
-            snap.release()
+            if isinstance(records, Generator):
+                records.close()  # its LevelDB iterator, before the snapshot it reads
+            source.close()
+            found.release()
         return answer.sent
+
+    def _start_snapshot(
+        self, history: ChangeHistory, mark: int, persisted: StabilitySnapshot, paged: bool
+    ) -> StabilitySnapshot:
+        """The snapshot a start at `mark` reads: the feed's pin of that mark while it holds,
+        else the persisted one (pinned for the next pages when the start is paged and at
+        it). Whether the one returned is at `mark` is `_plan_start`'s to check."""
+        snaps = self.view.snapshots
+        pin_id = pages_pin(history.history_id, mark)
+        pin = snaps.renew(pin_id, PAGES_LEASE_S)
+        if pin is not None and pin.snapshot.is_open:
+            return pin.snapshot
+        latest = history.latest
+        if paged and pin is None and latest is not None and latest.number == mark:
+            return snaps.pin(persisted, PAGES_LEASE_S, pin_id).snapshot
+        return persisted
+
+    def _plan_start(
+        self,
+        history: ChangeHistory,
+        index: StoredIndex,
+        found: StabilitySnapshot,
+        latest: int,
+        mark: int,
+        start: ChangeToken | None,
+        ends: _StartEnds,
+        limit: int | None,
+        until: int,
+        paged: bool,
+        source: Any,
+    ) -> tuple[SnapshotStart, bytes | None, str]:
+        """The entries at `mark` (read from `found` if it is at the mark, else rebuilt from it),
+        the last entry the read sends (None: to the start's end), and the token after it.
+        Blocking: in a thread."""
+        at = history.mark(mark, source)
+        if at is None:
+            raise HistoryGoneError(
+                f"the snapshot start at {history.history_id}.{mark} is no longer kept (its "
+                "pin and the history from it are gone): start again from a snapshot "
+                "(since=snapshot)"
+            )
+        if paged:  # the history from the mark stays while pages come (and after a restart)
+            history.hold(pages_lease(mark), ChangeToken(history.history_id, mark), PAGES_LEASE_S)
+        if found.timestamp.seqnos == at.timestamp:
+            part = SnapshotStart(self.view.store, index, exact=found.store_snapshot)
+        elif history.latest is None or found.timestamp.seqnos != history.latest.timestamp:
+            raise HistoryGoneError(
+                f"the snapshot start at {history.history_id}.{mark} changed under its reader "
+                "(a rollback): start again from a snapshot (since=snapshot)"
+            )
+        else:
+            part = SnapshotStart(
+                self.view.store,
+                index,
+                later=found.store_snapshot,
+                history=history,
+                mark=mark,
+                until=latest,
+                source=source,
+            )
+        end = ends.entry
+        if limit is not None:
+            page_end = part.page_end(None if start is None else start.entry, limit)
+            if page_end is not None and (end is None or page_end < end):
+                end = page_end
+        if end is not None:
+            return part, end, ChangeToken(history.history_id, mark, entry=end).encode()
+        return part, None, f"{history.history_id}.{until if limit is None else mark}"
 
     async def _send_rows(
         self,

@@ -74,9 +74,7 @@ class StatsRoutes(ApiState):
             "builds": {name: asdict(b.status()) for name, b in self._builds()},
             "compaction": None if v.compactor is None else v.compactor.statistics(),
             "rollbacks": None if v.rollback is None else v.rollback.statistics(),
-            "changes": None
-            if v.timekeeper.retention is None
-            else v.timekeeper.retention.history.statistics(),
+            "changes": self._changes(),
             "storage": {"level0_files": v.store.level0_files()},
             "collector": None if v.collector is None else asdict(v.collector.statistics()),
             "snapshots": asdict(snaps.statistics()),
@@ -93,6 +91,15 @@ class StatsRoutes(ApiState):
             "scans_served": self.scans_served,
             "refused": dict(self.refused),
         }
+
+    def _changes(self) -> dict[str, Any] | None:
+        """The change history kept, and what each bound of its retention holds now."""
+        retention = self.view.timekeeper.retention
+        if retention is None:
+            return None
+        return retention.history.statistics(
+            retention.keep_s, retention.keep_snapshots, retention.keep_bytes
+        )
 
     def _served(self, name: str, rows: int, seconds: float) -> None:
         """Count a scan or count request answered: its rows and how long it took."""

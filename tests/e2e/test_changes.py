@@ -57,7 +57,7 @@ def read_changes(
             )
             assert alone.status_code == 200, alone.text
             assert (alone.headers[NEXT_HEADER], alone.text) == (after, "")
-        if after.count(".") != 4:  # a snapshot's token: read to the end
+        if after.count(".") == 1:  # a snapshot's token: read to the end
             return rows, after
         since = after
 
@@ -158,7 +158,7 @@ def test_a_token_past_a_rollback_is_gone_and_one_before_it_reads_the_new_history
 
 def test_history_past_retention_is_dropped_and_its_tokens_get_410(daemon_factory: Any) -> None:
     daemon = daemon_factory(
-        changes={"retention_minutes": 0, "retention_snapshots": 1}, **FAST_PERSIST
+        changes={"retention": "0s", "retention_snapshots": 1}, **FAST_PERSIST
     ).start()
     source = Source(9)
     for vb in VBUCKETS:
@@ -236,3 +236,109 @@ def test_the_changes_command_prints_the_feed(daemon_factory: Any) -> None:
     )
     assert stale.returncode == 1 and "HTTP 410" in stale.stderr
     assert len(stale.stderr.strip().splitlines()) == 1
+
+
+def test_a_snapshot_start_in_pages_survives_a_kill_and_goes_on_to_the_changes(
+    daemon_factory: Any,
+) -> None:
+    daemon = daemon_factory(**FAST_PERSIST).start()
+    source = Source(10, docids_per_vbucket=200)
+    for vb in VBUCKETS:
+        source.write(vb, 600)
+    feed(daemon, source)
+    at_start = modelled(source)  # the index at the snapshot the pages start from
+    limit = len(at_start) // 12 + 1  # more than 10 pages
+    url = f"{daemon.url}/indexes/{NAME}/changes"
+    since, pages, start = "snapshot", 0, []
+    mark: str | None = None
+    while True:
+        params = {"since": since, "limit": limit}
+        answer = HTTP.get(url, params=params, timeout=60)
+        assert answer.status_code == 200, answer.text
+        page = [json.loads(line) for line in answer.text.splitlines() if line]
+        after = answer.headers[NEXT_HEADER]
+        alone = HTTP.get(url, params={**params, "only": "token"}, timeout=60)
+        assert (alone.status_code, alone.headers[NEXT_HEADER]) == (200, after), alone.text
+        assert 0 < len(page) <= limit and {r["op"] for r in page} == {"insert"}
+        mark = mark or page[0]["snapshot"]
+        assert {r["snapshot"] for r in page} == {mark}
+        start += page
+        pages += 1
+        if after.count(".") == 1:  # the start's end: its mark's token, to read changes from
+            assert after == mark
+            break
+        assert after.startswith(mark + ".s."), after
+        since = after
+        # Under a feed: the persisted snapshot moves on while the pages read their own.
+        for vb in VBUCKETS:
+            source.write(vb, 20)
+        feed(daemon, source)
+        if pages == 5:  # the pin is gone with the process: the pages go on from the history
+            daemon.kill()
+            daemon.start()
+    assert pages > 10, pages
+    entries: set[str] = set()
+    replay(entries, start)  # an entry given twice fails here
+    assert entries == at_start and len(start) == len(at_start)
+    rows, _ = read_changes(daemon, mark)
+    replay(entries, rows)
+    assert entries == modelled(source)
+    # The feed held the history of the start for its pages, and says so.
+    leases = daemon.stats(HTTP)["changes"]["leases"]
+    assert leases[f"~snapshot-pages.{mark.split('.')[1]}"]["token"] == mark
+    # A token inside a start and one past its end, read together, are the rest of the start.
+    half = HTTP.get(url, params={"since": "snapshot", "until": mark, "limit": limit}, timeout=60)
+    inside = half.headers[NEXT_HEADER]
+    rest = HTTP.get(url, params={"since": inside, "until": mark}, timeout=60)
+    assert rest.status_code == 200, rest.text
+    got = [json.loads(line) for line in half.text.splitlines() + rest.text.splitlines() if line]
+    assert {_entry(r) for r in got} == at_start and len(got) == len(at_start)
+    for bad, message in (
+        ({"since": inside, "until": "x"}, "not a token"),
+        ({"since": mark, "until": inside}, "inside a snapshot start"),
+        ({"since": inside[:-2] + "!!"}, "not a token"),
+    ):
+        answer = HTTP.get(url, params=bad, timeout=60)
+        assert answer.status_code == 400 and message in answer.json()["error"], answer.text
+
+
+def test_a_retention_of_seconds_drops_unheld_tokens_and_keeps_leased_ones(
+    daemon_factory: Any,
+) -> None:
+    daemon = daemon_factory(
+        changes={"retention": "2s", "retention_snapshots": 1}, **FAST_PERSIST
+    ).start()
+    source = Source(11)
+    for vb in VBUCKETS:
+        source.write(vb, 40)
+    feed(daemon, source)
+    _, unheld = read_changes(daemon, "latest")
+    for vb in VBUCKETS:
+        source.write(vb, 20)
+    feed(daemon, source)
+    _, leased = read_changes(daemon, "latest")
+    leased_at = time.monotonic()
+    assert leased != unheld
+    lease = HTTP.put(
+        f"{daemon.url}/changes/leases/reader-2", json={"token": leased, "lease_s": 600}, timeout=60
+    )
+    assert lease.status_code == 200, lease.text
+    url = f"{daemon.url}/indexes/{NAME}/changes"
+    deadline = time.monotonic() + WAIT_S
+    while True:  # new snapshots, so that prunes run once both tokens are past 2 s
+        for vb in VBUCKETS:
+            source.write(vb, 5)
+        feed(daemon, source)
+        answer = HTTP.get(url, params={"since": unheld}, timeout=60)
+        if answer.status_code != 200:
+            break
+        assert time.monotonic() < deadline, "the history of 2 s was never dropped"
+        time.sleep(0.2)
+    assert answer.status_code == 410 and "no longer kept" in answer.json()["error"], answer.text
+    time.sleep(max(0.0, leased_at + 2.5 - time.monotonic()))  # the leased mark past 2 s too
+    rows, _ = read_changes(daemon, leased)  # held by the lease, past the retention
+    assert rows
+    retention = daemon.stats(HTTP)["changes"]["retention"]
+    assert retention["age"]["bound_s"] == 2.0 and retention["snapshots"]["bound"] == 1
+    assert retention["oldest_kept_by"] == ["lease reader-2"], retention
+    assert retention["leases"]["marks"] >= 2 and retention["size"]["bound_bytes"] is None

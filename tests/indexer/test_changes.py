@@ -204,7 +204,10 @@ def test_an_index_without_history_there_and_tokens_of_another_history_are_gone(
         rows_of(history, store, ChangeToken(history.history_id, mark.number + 5), 9)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "a.b", "a.1.2", "a.3.1.0.0", "a.-1", "a.1.2.3.x"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "abc", "a.b", "a.1.2", "a.3.1.0.0", "a.-1", "a.1.2.3.x", "a.1.s.", "a.1.s.!!", "a.x.s.AA"],
+)
 def test_tokens_that_the_feed_never_gave_are_refused(text: str) -> None:
     with pytest.raises(ChangeTokenError, match="not a token"):
         ChangeToken.decode(text)
@@ -306,3 +309,12 @@ def test_retention_by_size_drops_the_oldest_history_beyond_it_whatever_its_age(
         rows_of(history, store, ChangeToken(history.history_id, marks[1].number), kept[-1])
     rows, _ = rows_of(history, store, ChangeToken(history.history_id, kept[0]), kept[-1])
     assert rows and all(r.op == "insert" for r in rows)
+
+
+@pytest.mark.parametrize("entry", [b"\x00", b"key\x00doc\x00\x03", bytes(range(256)) * 4])
+def test_a_token_inside_a_snapshot_start_gives_back_its_entry(entry: bytes) -> None:
+    token = ChangeToken("3f9a01c2", 41, entry=entry)
+    text = token.encode()
+    assert text.count(".") == 3 and text.startswith("3f9a01c2.41.s.")
+    assert ChangeToken.decode(text) == token and not token.at_mark
+    assert ChangeToken.decode("3f9a01c2.41").at_mark

@@ -41,6 +41,18 @@ def test_sizes_and_vbucket_ranges() -> None:
     assert config.slab.pool_bytes == 8 << 20
 
 
+def test_retention_takes_durations_and_sizes_and_the_old_names() -> None:
+    changes = parse_config('[changes]\nretention = "90s"\nretention_size = "512MiB"\n').changes
+    assert (changes.retention_s, changes.retention_bytes) == (90.0, 512 << 20)
+    assert parse_config('[changes]\nretention = "0s"\n').changes.retention_s == 0.0
+    assert parse_config('[changes]\nretention = "2h"\n').changes.retention_s == 7200.0
+    assert parse_config('[changes]\nretention = "500ms"\n').changes.retention_s == 0.5
+    assert parse_config("").changes.retention_bytes is None  # the default: "none"
+    old = parse_config("[changes]\nretention_minutes = 15\nretention_mb = 2\n").changes
+    assert (old.retention_s, old.retention_bytes) == (900.0, 2 << 20)
+    assert parse_config("[changes]\nretention_mb = 0\n").changes.retention_bytes is None
+
+
 @pytest.mark.parametrize(
     "text, key",
     [
@@ -56,6 +68,13 @@ def test_sizes_and_vbucket_ranges() -> None:
         ('[indexes."../etc"]\nkeys = ["a"]\n', "indexes.../etc"),
         ('[indexes.x]\nkeys = ["a"]\nwhere = 1\n', "indexes.x.where"),
         ("server = 5\n", "server"),
+        ("[changes]\nretention = 90\n", "changes.retention"),
+        ('[changes]\nretention = "0.5 minutes"\n', "changes.retention"),
+        ('[changes]\nretention = "20000d"\n', "changes.retention"),
+        ('[changes]\nretention_size = "0MiB"\n', "changes.retention_size"),
+        ('[changes]\nretention_size = "lots"\n', "changes.retention_size"),
+        ("[changes]\nretention_minutes = 0.5\n", "changes.retention_minutes"),
+        ('[changes]\nretention_minutes = 5\nretention = "5m"\n', "changes.retention_minutes"),
         ("not toml at all [", "not valid TOML"),
     ],
 )

@@ -1,0 +1,1 @@
+"""The change feed's reads that are not its history: the snapshot start, in pages."""
