@@ -4,8 +4,8 @@
     python examples/spark_stream.py --cluster-map cluster.toml --index by_city --out out/ --follow
 
 Streams the change feed (`spark.readStream.format("indexer")`, docs/spark.md): the first
-micro-batch is every entry at the latest persisted snapshot as an insert, then each holds the
-entries inserted and deleted since, at most --max-entries rows. Every micro-batch overwrites a
+micro-batches hold every entry at the latest persisted snapshot as an insert, then the entries
+inserted and deleted since, each at most --max-entries rows. Every micro-batch overwrites a
 directory of its own under --out (`batch=N`): `foreachBatch` runs a batch again after a failure,
 and appending would store it twice. Run again, the query goes on from its checkpoint. At the end
 it rebuilds the index from the table (the last change of each entry, in batch and feed order)

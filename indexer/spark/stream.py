@@ -2,9 +2,11 @@
 batch read between two offsets), over GET /indexes/NAME/changes.
 
 The offsets are the feed's tokens (`{"token": "3f9a01c2.41"}`); the first offset of a query
-starting from `snapshot` is `{"token": "snapshot"}`, and its first micro-batch holds every entry
-at the snapshot that ends it, as inserts. A micro-batch from one token to another always answers
-the same rows (docs/protocol.md §8.3), so a batch Spark runs again after a failure is the same.
+starting from `snapshot` is `{"token": "snapshot"}`, and its first micro-batches hold every entry
+at the snapshot the query found latest, as inserts: all of them in one without a read limit,
+else in micro-batches of at most `maxEntriesPerTrigger` entries, each ending at a token inside
+that snapshot start. A micro-batch from one token to another always answers the same rows
+(docs/protocol.md §8.3), so a batch Spark runs again after a failure is the same.
 
 With `cluster_map`, each node keeps its own history: an offset is the vector of the nodes'
 tokens (`{"token": "a:3f9a01c2.41,b:77aa0011.40"}`), and a micro-batch reads each node's
@@ -315,12 +317,14 @@ class IndexerStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for target, a, b in zip(
             position.targets, position.parts(since), position.parts(latest), strict=True
         ):
-            if a in (b, SNAPSHOT):
-                parts.append(b)  # nothing new, or a snapshot start: read whole
+            if a == b:
+                parts.append(b)  # nothing new
                 continue
             # Where a read of at most `share` rows from `a` ends (the daemon counts, sends none).
+            # From `snapshot`, the start is the one at `b`, read in pages of `share` entries as
+            # the changes are; a token inside a start names its own mark.
             params: dict[str, Any] = {"since": a, "limit": share}
-            if a.count(".") == 1:
+            if a == SNAPSHOT or ChangeToken.decode(a).at_mark:
                 params["until"] = b
             parts.append(self.reads.token_after(target, params))
         return {"token": position.token(parts)}

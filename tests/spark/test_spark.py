@@ -751,6 +751,9 @@ def test_a_stream_over_a_cluster_map_reads_each_nodes_changes_once(
 
     run()
     assert replayed(spark, out)[0] == modelled()
+    # Each node's snapshot start comes in batches of its share of the limit, as its changes.
+    sizes = spark.read.parquet(str(out)).groupBy("batch").count().collect()
+    assert len(sizes) >= 2 and all(r["count"] <= 1500 for r in sizes), sizes
     more = list(generate(Workload(4_000, 3_000, 0.2, 24)))  # updates of the same ids, deletes
     write_jsonl(cluster.jsonl, more, append=True)
     cluster.documents += more

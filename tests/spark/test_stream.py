@@ -21,9 +21,11 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
+from indexer.router import Workload, generate
 from indexer.spark import error_message
+from tests.e2e.conftest import run_feed
 from tests.e2e.stream_client import VBUCKETS, Source, feed
-from tests.harness import Daemon, model
+from tests.harness import Daemon, model, write_jsonl
 from tests.spark.stream_driver import shared_session, write_batch
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
@@ -121,13 +123,37 @@ def test_a_stream_appended_to_parquet_replays_to_the_index_across_restarts(
         entries, batches = replayed(spark, out)
         assert entries == modelled(source), f"round {round_}"
     assert batches == list(range(len(batches))) and len(batches) > first_batches + 2
-    # maxEntriesPerTrigger bounds every batch but the snapshot (a document's two rows together).
+    # maxEntriesPerTrigger bounds every batch, the snapshot start's too.
     sizes = spark.read.parquet(str(out)).groupBy("batch").count().collect()
-    assert all(r["count"] <= 101 for r in sizes if r["batch"] > 0), sizes
+    assert all(r["count"] <= 100 for r in sizes), sizes
     # Spark commits a batch when it plans the next: the lease is at the end of a batch of a
     # later run, past everything the first run read.
     lease = daemon.stats()["changes"]["leases"]["parquet-copy"]
     assert int(lease["token"].split(".")[1]) >= first_run and lease["expires_in_s"] > 80000
+
+
+def test_a_snapshot_start_comes_in_micro_batches_of_the_read_limit(
+    spark: SparkSession, daemon: Daemon, tmp_path: Path
+) -> None:
+    documents = list(generate(Workload(40_000, 32_000, 0.05, 25)))
+    fed = run_feed(daemon, write_jsonl(tmp_path / "docs.jsonl", documents))
+    assert fed.returncode == 0, fed.stderr
+    want = {json.dumps([e["key"], e["id"]]) for e in model(documents, PATHS)}
+    assert len(want) >= 20_000
+    out, checkpoint = tmp_path / "changes", tmp_path / "checkpoint"
+    run_query(
+        spark,
+        out,
+        checkpoint,
+        url=daemon.url,
+        startingOffsets="snapshot",
+        maxEntriesPerTrigger="2000",
+    )
+    entries, batches = replayed(spark, out)
+    assert entries == want
+    sizes = spark.read.parquet(str(out)).groupBy("batch").count().collect()
+    assert all(r["count"] <= 2000 for r in sizes), sorted(r["count"] for r in sizes)
+    assert len(batches) == -(-len(want) // 2000), (len(batches), len(want))
 
 
 def test_a_batch_read_between_two_offsets_gives_the_changes(
@@ -214,7 +240,7 @@ def test_a_driver_killed_mid_stream_goes_on_from_its_checkpoint(
                 assert time.monotonic() < deadline, f"no progress: {log.read_text()[-2000:]}"
                 time.sleep(0.1)
 
-        wait_commits(1)  # the snapshot
+        wait_commits(1)  # the snapshot start's first 25 entries
         for _ in range(4):  # updates while it streams, 25 rows a batch, then a SIGKILL
             for vb in VBUCKETS:
                 source.write(vb, 40)
@@ -225,9 +251,18 @@ def test_a_driver_killed_mid_stream_goes_on_from_its_checkpoint(
     finally:
         if driver.poll() is None:
             driver.kill()
+    # Killed inside the snapshot start (about 6 batches of 25): the batch it planned last ends
+    # at a token inside it.
+    offsets = max((checkpoint / "offsets").glob("[0-9]*"), key=lambda p: int(p.name))
+    planned = json.loads(offsets.read_text().splitlines()[-1])["token"]
+    assert ".s." in planned, planned
     for vb in VBUCKETS:
         source.write(vb, 40)
     feed(daemon, source)
+    # The daemon dies too: its pin of the start's snapshot with it, so the start's rest is
+    # rebuilt from the history, the same entries in the same order.
+    daemon.kill()
+    daemon.start()
     # The same query goes on from the killed driver's checkpoint, here, in larger batches
     # (the small ones were for a kill mid-stream).
     run_query(
