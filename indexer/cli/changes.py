@@ -144,16 +144,19 @@ def _start(since: str, apis: dict[str, Api]) -> dict[str, str]:
 def _pages(api: Api, name: str, token: str, limit: int | None, wait: bool) -> Iterator[str]:
     """Print a daemon's changes from `token` to its latest persisted snapshot, in pages of
     `limit` (waiting for a new snapshot first if `wait`); the token after each page."""
+    in_start = token in ("snapshot", "0") or ".s." in token
     while True:
         params: dict[str, str | int] = {"since": token}
-        if limit is not None and token not in ("snapshot", "0"):
-            params["limit"] = limit
+        if limit is not None and token != "latest":
+            params["limit"] = limit  # the snapshot start in pages too
         if wait and token not in ("snapshot", "0", "latest"):
             params["wait"] = int(FOLLOW_WAIT_S)
         after = print_lines(api, index_path(name, "changes"), params, FOLLOW_WAIT_S + 60)
         if after is None:
             fail(f"the daemon at {api.base} gave no token to read on from")
         yield after
-        if after.count(".") != 4:  # a snapshot's token: this read is at its end
-            return
-        token = after  # part way through an interval: a page follows
+        if after.count(".") == 1:  # a snapshot's token: this read is at its end...
+            if not in_start:
+                return
+            in_start = False  # ...of a snapshot start: the changes after it follow
+        token = after  # part way through a start or an interval: a page follows
