@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SPARK_STAMP := $(VENV)/.spark-installed
 
-.PHONY: demo test check lint bench check-python check-java check-postgres clean fuzz compiled
+.PHONY: demo test check lint bench check-python check-java check-postgres check-etcd clean fuzz compiled
 
 # The project, editable, with the test tools; pure Python here (INDEXER_MYPYC=0): the hot modules
 # are compiled in place below, again whenever one changes. No .pyc files at install (--no-compile):
@@ -65,6 +65,16 @@ check-postgres:
 	    echo "error: could not install PostgreSQL's server; install the package postgresql (Debian) or put initdb and postgres on PATH" >&2; \
 	    exit 1; }; }
 
+# A cluster's map in etcd is tested against a real etcd (one member in a temporary directory):
+# the Debian package etcd-server, installed here when missing.
+check-etcd:
+	@command -v etcd >/dev/null 2>&1 || { \
+	  echo "etcd is missing: installing the Debian package etcd-server"; \
+	  { command -v apt-get >/dev/null 2>&1 && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server) >/dev/null; } || { \
+	    echo "error: could not install etcd; install the package etcd-server (Debian) or put etcd on PATH" >&2; \
+	    exit 1; }; }
+
 check-java:
 	@command -v java >/dev/null 2>&1 || { \
 	  echo "error: Java 17 or newer is needed for the Spark jobs and was not found on PATH" >&2; \
@@ -80,7 +90,7 @@ TEST_PROCESSES ?= 3
 # The slowest tests are printed at the end (docs/testing.md keeps their table); PYTEST_ARGS adds
 # to the call (say PYTEST_ARGS=--junitxml=times.xml for every test's time).
 PYTEST_ARGS ?=
-test: setup check-java check-postgres lint
+test: setup check-java check-postgres check-etcd lint
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The inner loop of a change (docs/testing.md), in about 3 minutes: lint, the unit tests (no

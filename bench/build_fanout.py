@@ -21,7 +21,7 @@ from common import (  # bench/common.py: run as `python bench/...`
     write_cluster_map,
 )
 
-from indexer.cluster import load_cluster_map, scan_cluster
+from indexer.cluster.map import load_cluster_map, scan_cluster
 
 SCAN_INDEX = "by_city"
 SCAN_REPEATS = 3

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 
 from config import default_config_text
-from indexer.cluster import ClusterMapError, parse_vbuckets
+from indexer.cluster.map import ClusterMapError, parse_vbuckets
 from indexer.expressions import ExpressionError, normalize_keys
 from indexer.protocol import MAX_TOKEN_CHARS, PRIMARY_KEY, IndexDefinition
 from indexer.storage import COMPACTION_NICE
@@ -49,8 +49,9 @@ class ServerConfig:
     owned_vbuckets: tuple[int, ...]
     log_level: str
     flow_control_bytes: int = 4 << 20
-    # Set by `indexer serve --cluster-map F --node N`: the node follows the map's changes.
-    cluster_map: Path | None = None
+    # Set by `indexer serve --cluster-map F --node N` (or --cluster etcd://...): the node
+    # follows the map's changes.
+    cluster_map: Path | str | None = None
     cluster_node: str | None = None
 
 

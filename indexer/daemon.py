@@ -23,6 +23,8 @@ from indexer.asgi import serve_asgi
 from indexer.build import read_progress, resumed_builds
 from indexer.catalog import IndexCatalog
 from indexer.changes import ChangeHistory
+from indexer.cluster.slices import SliceWatch
+from indexer.cluster.store import EtcdMapSource, keep_registered
 from indexer.collector import freeze_long_lived, rare_collections
 from indexer.compaction import Compactor
 from indexer.config import Config
@@ -33,7 +35,6 @@ from indexer.protocol import describe_source
 from indexer.reader import Reader
 from indexer.recovery import RecoveryPoints
 from indexer.rollback import Rollback, recover_store
-from indexer.slices import SliceWatch
 from indexer.snapshots import (
     PersistedState,
     SnapshotFileError,
@@ -297,6 +298,11 @@ async def serve(
                 if server.cluster_map is not None and server.cluster_node is not None:
                     watch = SliceWatch(server.cluster_map, server.cluster_node, catalog, cache)
                     services.start_soon(watch.run)
+                    if isinstance(watch.source, EtcdMapSource):  # the node says it is alive
+                        said = {"feed": f"{server.host}:{server.feed_port}", "http_port": http_port}
+                        services.start_soon(
+                            keep_registered, watch.source.location, server.cluster_node, said
+                        )
                 async with trio.open_nursery() as keeping:
                     keeping.start_soon(timekeeper.run)
                     async with trio.open_nursery() as stages:

@@ -677,3 +677,58 @@ class Postgres:
             print(f"kept: {self.dir}", file=sys.stderr)
         else:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Etcd:
+    """A one-member etcd (Debian's etcd-server) in a temporary directory, on free ports."""
+
+    def __init__(self) -> None:
+        self.binary = shutil.which("etcd")
+        if self.binary is None:
+            raise RuntimeError("etcd is not installed (make test installs etcd-server)")
+        self.dir = Path(tempfile.mkdtemp(prefix="pipeline-etcd-"))
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.log_path = self.dir / "etcd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def url(self, prefix: str) -> str:
+        """The cluster address `--cluster` takes, for keys under `prefix`."""
+        return f"etcd://{self.endpoint}/{prefix}"
+
+    def start(self, timeout: float = 30) -> Etcd:
+        client = f"http://{self.endpoint}"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(self.binary),
+                    "--data-dir", str(self.dir / "data"),
+                    "--listen-client-urls", client,
+                    "--advertise-client-urls", client,
+                    "--listen-peer-urls", f"http://{HOST}:{self.peer_port}",
+                    "--initial-advertise-peer-urls", f"http://{HOST}:{self.peer_port}",
+                    "--initial-cluster", f"default=http://{HOST}:{self.peer_port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.post(f"{client}/v3/kv/range", json={"key": "AA=="}).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, signal.SIGTERM, 30)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -25,6 +25,7 @@ from indexer.cli.admin import (
     stats,
 )
 from indexer.cli.changes import changes
+from indexer.cli.cluster import cluster
 from indexer.cli.feeds import feed, router, shard_state
 from indexer.cli.serve import serve
 
@@ -60,5 +61,6 @@ for _command in (
     create_index,
     build_index,
     drop_index,
+    cluster,
 ):
     main.add_command(_command)

@@ -323,6 +323,11 @@ def _query_params(
     metavar="FILE",
     help="Scan every node of this cluster map and merge the rows in index order.",
 )
+@click.option(
+    "--cluster",
+    metavar="URL",
+    help="The same, with the map in etcd: etcd://HOST:PORT[,HOST:PORT...]/PREFIX.",
+)
 def scan(
     name: str,
     daemon: ApiOptions,
@@ -340,6 +345,7 @@ def scan(
     order: str,
     timeout: float,
     cluster_map: Path | None,
+    cluster: str | None,
 ) -> None:
     """Print index NAME's entries (JSONL, index order) from the running daemon, or from every
     node of a cluster map.
@@ -364,7 +370,10 @@ def scan(
         params["fields"] = fields
     if order == "desc":
         params["order"] = "desc"
-    if cluster_map is not None:
+    if cluster_map is not None and cluster is not None:
+        fail("--cluster-map or --cluster: one of the two", 2)
+    where: Path | str | None = cluster_map if cluster_map is not None else cluster
+    if where is not None:
         if daemon.url is not None:
             fail("give --url or --cluster-map, not both", 2)
         if order == "desc" or offset or all_pages or fields is not None:
@@ -372,7 +381,7 @@ def scan(
         # The nodes' addresses come from the map; a configuration gives its token and TLS.
         config = _config(daemon.config_file) if daemon.config_file is not None else None
         bearer, context = _client_security(config, daemon.token, daemon.token_file, daemon.tls_ca)
-        _scan_cluster(cluster_map, name, params, timeout + 30, bearer, context)
+        _scan_cluster(where, name, params, timeout + 30, bearer, context)
         return
     api = daemon.connect()
     base = api.base
@@ -396,7 +405,7 @@ PAGE_PARAMS = ("eq", "low", "high", "spans", "inclusion", "limit", "fields")
 
 
 def _scan_cluster(
-    path: Path,
+    path: Path | str,
     name: str,
     params: dict[str, Any],
     timeout: float,
@@ -405,10 +414,11 @@ def _scan_cluster(
 ) -> None:
     import json
 
-    from indexer.cluster import ClusterMapError, ClusterScanError, load_cluster_map, scan_cluster
+    from indexer.cluster.map import ClusterMapError, ClusterScanError, scan_cluster
+    from indexer.cluster.store import load_map
 
     try:
-        cluster = load_cluster_map(path)
+        cluster = load_map(path)
     except ClusterMapError as exc:
         fail(str(exc), 2)
     try:

@@ -54,6 +54,11 @@ FOLLOW_POLL_S = 1.0  # how often --follow asks the nodes of a map when nothing w
     help="Read every node of this cluster map (each keeps its own history): tokens are "
     "vectors NODE:TOKEN,... of the nodes' tokens.",
 )
+@click.option(
+    "--cluster",
+    metavar="URL",
+    help="The same, with the map in etcd: etcd://HOST:PORT[,HOST:PORT...]/PREFIX.",
+)
 def changes(
     name: str,
     daemon: ApiOptions,
@@ -61,6 +66,7 @@ def changes(
     limit: int | None,
     follow: bool,
     cluster_map: Path | None,
+    cluster: str | None,
 ) -> None:
     """Print the changes of index NAME between persisted snapshots as JSONL: op (insert or
     delete), key, id and the snapshot each belongs to. The token to read on from goes to
@@ -77,12 +83,15 @@ def changes(
     from indexer.changes import encode_cluster_token
 
     _index_name(name)
-    if cluster_map is None:
+    if cluster_map is not None and cluster is not None:
+        fail("--cluster-map or --cluster: one of the two", 2)
+    where: Path | str | None = cluster_map if cluster_map is not None else cluster
+    if where is None:
         apis = {"": daemon.connect()}
     else:
         if daemon.url is not None:
             fail("give --url or --cluster-map, not both", 2)
-        apis = _node_apis(cluster_map, daemon)
+        apis = _node_apis(where, daemon)
     tokens = _start(since, apis)
     api = next(iter(apis.values()))
     try:
@@ -108,12 +117,13 @@ def changes(
         sys.stderr.close()
 
 
-def _node_apis(path: Path, daemon: ApiOptions) -> dict[str, Api]:
+def _node_apis(path: Path | str, daemon: ApiOptions) -> dict[str, Api]:
     """An Api per node of the map, with the token and TLS of the options."""
-    from indexer.cluster import ClusterMapError, load_cluster_map
+    from indexer.cluster.map import ClusterMapError
+    from indexer.cluster.store import load_map
 
     try:
-        cluster = load_cluster_map(path)
+        cluster = load_map(path)
     except ClusterMapError as exc:
         fail(str(exc), 2)
     config = _config(daemon.config_file) if daemon.config_file is not None else None

@@ -330,6 +330,12 @@ def _feed_state(
     metavar="FILE",
     help="Stream to the nodes of this cluster map (re-read when it changes) instead of --to.",
 )
+@click.option(
+    "--cluster",
+    metavar="URL",
+    help="Stream to the nodes of the cluster's map in etcd (etcd://HOST:PORT[,...]/PREFIX, "
+    "watched) instead of --to.",
+)
 @JSONL_OPTION
 @click.option("--follow", is_flag=True, help="Keep reading lines appended to --jsonl (tail -f).")
 @click.option(
@@ -457,6 +463,7 @@ def router(
     vbucket_range: str | None,
     source_id: str | None,
     cluster_map: Path | None,
+    cluster: str | None,
     shards: int,
     parent_pipe: bool,
     process_name: str | None,
@@ -513,13 +520,20 @@ def router(
         fail("--table, --id-column, --doc-column and --slot go with --postgres DSN", 2)
     if follow and jsonl is None:
         fail("--follow needs --jsonl FILE", 2)
-    if bool(targets) == (cluster_map is not None):
-        fail("give the nodes with --to HOST:PORT or --cluster-map FILE (one of the two)", 2)
-    if cluster_map is not None:
-        from indexer.cluster import ClusterMapError, load_cluster_map
+    if cluster_map is not None and cluster is not None:
+        fail("--cluster-map or --cluster: one of the two", 2)
+    where: Path | str | None = cluster_map if cluster_map is not None else cluster
+    if bool(targets) == (where is not None):
+        fail(
+            "give the nodes with --to HOST:PORT, --cluster-map FILE or --cluster URL (one of them)",
+            2,
+        )
+    if where is not None:
+        from indexer.cluster.map import ClusterMapError
+        from indexer.cluster.store import load_map
 
         try:
-            load_cluster_map(cluster_map)
+            load_map(where)
         except ClusterMapError as exc:
             fail(str(exc), 2)
     if rate is not None and generate is None:
@@ -551,6 +565,7 @@ def router(
         shard_args = [
             *(arg for address in addresses for arg in ("--to", f"{address[0]}:{address[1]}")),
             *(["--cluster-map", str(cluster_map)] if cluster_map is not None else []),
+            *(["--cluster", cluster] if cluster is not None else []),
             "--memory-mb", str(memory_mb),
             "--bulk-max-mb", str(bulk_max_mb),
             "--log-level", log_level or "info",
@@ -571,7 +586,7 @@ def router(
         memory_bytes=int(memory_mb * (1 << 20)),
         generate=workload,
         rate=rate,
-        cluster_map=cluster_map,
+        cluster_map=where,
         security=_feed_security(token, token_file, tls, tls_ca),
         parent_pipe=parent_pipe,
         bulk_max_bytes=int(bulk_max_mb * (1 << 20)),
@@ -706,7 +721,7 @@ def _vbucket_range(value: str | None, count: int | None) -> tuple[int, ...] | No
     """--vbucket-range as vbucket numbers (None: all), checked against the vbucket count."""
     if value is None:
         return None
-    from indexer.cluster import ClusterMapError, parse_vbuckets
+    from indexer.cluster.map import ClusterMapError, parse_vbuckets
 
     items: list[int | str] = [
         int(item) if item.strip().isdigit() else item.strip() for item in value.split(",")

@@ -38,7 +38,13 @@ from indexer.routes import DAEMON_ROUTES, routes_help
     type=click.Path(dir_okay=False, path_type=Path),
     help="A cluster map (TOML): take this node's vbuckets and addresses from it (with --node).",
 )
-@click.option("--node", metavar="NAME", help="This node's name in --cluster-map.")
+@click.option(
+    "--cluster",
+    metavar="URL",
+    help="The cluster's map in etcd (etcd://HOST:PORT[,HOST:PORT...]/PREFIX), in place of "
+    "--cluster-map: the node registers there under a lease and watches the map.",
+)
+@click.option("--node", metavar="NAME", help="This node's name in --cluster-map or --cluster.")
 @click.option(
     "--adopt-source",
     is_flag=True,
@@ -53,6 +59,7 @@ def serve(
     feed_port: int | None,
     http_port: int | None,
     cluster_map: Path | None,
+    cluster: str | None,
     node: str | None,
     adopt_source: bool,
 ) -> None:
@@ -63,6 +70,7 @@ def serve(
     \b
       indexer serve --config my.toml --data-dir /srv/idx --feed-port 9200
       indexer serve --cluster-map cluster.toml --node a --log-format json
+      indexer serve --cluster etcd://127.0.0.1:2379/indexer --node a
     """
     from indexer.daemon import StartError
     from indexer.daemon import serve as run_daemon
@@ -71,14 +79,19 @@ def serve(
 
     slice_of: dict[str, Any] = {}
     data_dir = _data_dir(data_dir)
-    if (cluster_map is None) != (node is None):
-        fail("--cluster-map and --node go together", 2)
-    if cluster_map is not None and node is not None:
-        from indexer.cluster import ClusterMapError, load_cluster_map
+    if cluster_map is not None and cluster is not None:
+        fail("--cluster-map or --cluster: one of the two", 2)
+    where: Path | str | None = cluster_map if cluster_map is not None else cluster
+    if (where is None) != (node is None):
+        fail("--node goes with --cluster-map or --cluster", 2)
+    if where is not None and node is not None:
+        from indexer.cluster.map import ClusterMapError
+        from indexer.cluster.store import load_map
 
         try:
-            entry = load_cluster_map(cluster_map).node(node)
-            num = load_cluster_map(cluster_map).num_vbuckets
+            found = load_map(where)
+            entry = found.node(node)
+            num = found.num_vbuckets
         except ClusterMapError as exc:
             fail(str(exc), 2)
         slice_of = {
@@ -87,7 +100,7 @@ def serve(
             "http_port": entry.http[1] if http_port is None else http_port,
             "owned_vbuckets": entry.vbuckets,
             "num_vbuckets": num,
-            "cluster_map": cluster_map,
+            "cluster_map": where,
             "cluster_node": node,
         }
     config = _config(config_file, data_dir=data_dir, feed_port=feed_port, http_port=http_port)

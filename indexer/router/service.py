@@ -10,10 +10,11 @@ connection that reads memory while its node keeps up and the log when it is behi
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from indexer.router.streams.nodes import ROUTER_NAME, Address, Nodes, stream_to_
 log = logging.getLogger("indexer.router")
 
 POLL_S = 0.2  # how often a followed file at its end is looked at again
-MAP_POLL_S = 2.0  # how often a cluster map file is looked at for changes
+MAP_WAIT_S = 30.0  # the map is read again at least this often (a file's every 2 s)
 EXPIRY_PAGER_S = 1.0  # how often the expiry pager looks for expired documents
 EXPIRY_BATCH = 10_000  # expired documents deleted per append
 DEFAULT_MEMORY_BYTES = 256 << 20  # the Mutation Manager's cap
@@ -59,7 +60,7 @@ class RouterOptions:
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     generate: Workload | None = None
     rate: float | None = None  # generated documents per second; None: as fast as appended
-    cluster_map: Path | None = None  # the nodes come from this map, re-read as it changes
+    cluster_map: Path | str | None = None  # the nodes come from this map (a file or etcd), followed
     # The nodes' shared token (in every handshake) and TLS context (None: plain TCP).
     security: FeedSecurity = field(default_factory=FeedSecurity)
     # A shard of `indexer router --shards`: the input is the parent's, on stdin (needs `http`).
@@ -142,24 +143,25 @@ async def generate_input(workload: Workload, rate: float | None, appender: Appen
 
 
 class ClusterWatch:
-    """The targets of a cluster map: re-read when the file changes or a node says
-    NOT_MY_SLICE, and handed to `reconcile` whenever they differ."""
+    """The targets of a cluster map (a file, or etcd): read again when it changes or a node
+    says NOT_MY_SLICE, and handed to `reconcile` whenever they differ."""
 
-    def __init__(self, path: Path) -> None:
-        from indexer.cluster import ClusterMapFile
+    def __init__(self, where: Path | str) -> None:
+        from indexer.cluster.store import map_source
 
-        self.map_file = ClusterMapFile(path)
+        self.source = map_source(where)
         self._poked = trio.Event()
 
     def poke(self) -> None:
         self._poked.set()
 
     def load(self) -> list[Address] | None:
-        """The map's feed addresses, or None if it is unchanged or (logged) unreadable."""
-        from indexer.cluster import ClusterMapError
+        """The map's feed addresses, or None if it is unchanged or (logged) unreadable.
+        Blocking (etcd is asked over HTTP): in a thread."""
+        from indexer.cluster.map import ClusterMapError
 
         try:
-            cluster = self.map_file.changed(force=self._poked.is_set())
+            cluster = self.source.changed(force=self._poked.is_set())
         except ClusterMapError as exc:
             log.error("%s; keeping the nodes as they are", exc)
             return None
@@ -167,9 +169,15 @@ class ClusterWatch:
 
     async def run(self, reconcile: Callable[[list[Address]], None]) -> None:
         while True:
-            with trio.move_on_after(MAP_POLL_S):
-                await self._poked.wait()
-            targets = self.load()
+            async with trio.open_nursery() as nursery:
+                # Whichever comes first: a change of the map, a node's NOT_MY_SLICE, the poll.
+                async def first(wait: Callable[[], Awaitable[None]]) -> None:
+                    await wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(first, self._poked.wait)
+                nursery.start_soon(first, functools.partial(self.source.wait_change, MAP_WAIT_S))
+            targets = await trio.to_thread.run_sync(self.load)
             self._poked = trio.Event()
             if targets is not None:
                 reconcile(targets)
@@ -182,7 +190,8 @@ async def run_router(source: SourceLog, options: RouterOptions) -> None:
     targets = list(options.targets)
     watch = ClusterWatch(options.cluster_map) if options.cluster_map is not None else None
     if watch is not None:
-        targets = watch.load() or targets
+        found: list[Address] | None = await trio.to_thread.run_sync(watch.load)
+        targets = found or targets
     nodes = Nodes(targets)
     running: dict[Address, trio.CancelScope] = {}
     url = ""

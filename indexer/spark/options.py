@@ -19,8 +19,8 @@ DEFAULT_LEASE_S = 600.0
 DEFAULT_TIMEOUT_S = 120.0
 SNAPSHOTS = ("persisted", "stable")
 OPTIONS = (
-    "url path cluster_map index partitions snapshot consistency at_plus pin lease_s timeout "
-    "pushdown columns order token token_file tls tls_ca "
+    "url path cluster_map cluster index partitions snapshot consistency at_plus pin lease_s "
+    "timeout pushdown columns order token token_file tls tls_ca "
     "startingoffsets endingoffsets maxentriespertrigger consumer"  # the change feed (stream.py)
 )
 COLUMNS = ("typed", "json")
@@ -102,12 +102,16 @@ class SourceOptions:
         if not index:
             raise IndexerSourceError('give the index to read: .option("index", "NAME")')
         url, path = opts.get("url") or None, opts.get("path") or None
-        cluster_map = opts.get("cluster_map") or None
+        # `cluster`: the map in etcd (etcd://HOST:PORT/PREFIX); `cluster_map` takes either.
+        if opts.get("cluster_map") and opts.get("cluster"):
+            raise IndexerSourceError('give .option("cluster_map", ...) or .option("cluster", ...)')
+        cluster_map = opts.get("cluster_map") or opts.get("cluster") or None
         if sum(x is not None for x in (url, path, cluster_map)) != 1:
             raise IndexerSourceError(
                 'give exactly one of .option("url", "http://HOST:PORT") (a running daemon), '
                 '.option("path", DATA_DIR) (a stopped node\'s data directory) and '
-                '.option("cluster_map", MAP_FILE) (every node of a cluster map)'
+                '.option("cluster_map", MAP_FILE) or .option("cluster", "etcd://HOST:PORT/PREFIX") '
+                "(every node of a cluster map)"
             )
         snapshot = opts.get("snapshot", opts.get("consistency", "persisted"))
         if snapshot not in SNAPSHOTS:

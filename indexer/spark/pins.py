@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from indexer.client import Access, ClientError, index_path, request
-from indexer.cluster import ClusterMap, ClusterMapError, load_cluster_map
+from indexer.cluster.map import ClusterMap, ClusterMapError
 from indexer.spark.options import (
     DEFAULT_LEASE_S,
     DEFAULT_TIMEOUT_S,
@@ -166,9 +166,12 @@ class Target:
 
 
 def load_cluster(path: str | Path) -> ClusterMap:
-    """The cluster map in the file at `path`; IndexerSourceError if unreadable or inconsistent."""
+    """The cluster map in the file at `path`, or in etcd (`etcd://HOST:PORT/PREFIX`);
+    IndexerSourceError if unreadable or inconsistent."""
+    from indexer.cluster.store import load_map
+
     try:
-        return load_cluster_map(Path(path))
+        return load_map(path)
     except ClusterMapError as exc:
         raise IndexerSourceError(f"cluster_map: {exc}") from None
 

@@ -113,7 +113,7 @@ def test_bad_cluster_map_commands_fail_with_one_line(tmp_path: Path) -> None:
     bad.write_text('[nodes.a]\nfeed = "127.0.0.1:1"\nhttp = "127.0.0.1:2"\nvbuckets = ["0-9"]\n')
     for args, message in (
         (["serve", "--cluster-map", str(bad), "--node", "a"], "vbuckets have no node"),
-        (["serve", "--cluster-map", str(bad)], "--cluster-map and --node go together"),
+        (["serve", "--cluster-map", str(bad)], "--node goes with --cluster-map or --cluster"),
         (["scan", "x", "--cluster-map", str(bad)], "vbuckets have no node"),
         (["scan", "x", "--cluster-map", str(tmp_path / "none.toml")], "cannot read"),
     ):

@@ -1,4 +1,4 @@
-"""The cluster map (indexer/cluster.py): parsing with clear errors; merging nodes' scans."""
+"""The cluster map (indexer/cluster/map.py): parsing with clear errors; merging nodes' scans."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from indexer.cluster import ClusterMapError, merge_rows, parse_cluster_map, row_order
+from indexer.cluster.map import ClusterMapError, merge_rows, parse_cluster_map, row_order
 from indexer.keys import collate
 
 TWO = """

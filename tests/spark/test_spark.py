@@ -13,6 +13,7 @@ import json
 import operator
 import random
 import signal
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from pyspark.sql.datasource import (
 )
 
 from indexer.changes import decode_cluster_token
-from indexer.cluster import row_order
+from indexer.cluster.map import row_order
 from indexer.keys import encode_key
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
@@ -66,6 +67,7 @@ from tests.e2e.conftest import (
     Daemon,
     Router,
     free_port,
+    indexer_command,
     model,
     run_feed,
     wait_equal,
@@ -77,6 +79,7 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_gsi_keys import INDEXES as GSI_INDEXES
 from tests.e2e.test_gsi_keys import documents as gsi_documents
+from tests.harness import Etcd
 from tests.spark.stream_driver import shared_session
 from tests.spark.test_stream import replayed, run_query
 
@@ -724,6 +727,28 @@ def test_a_cluster_map_reads_every_node_with_partitions_shared_out_among_them(
         if as_double(e["key"][0]) is not None and 30 <= e["key"][0] < 40.5
     ]
     assert sorted(tuple(r) for r in ranged.collect()) == sorted(in_range) and in_range
+
+
+def test_the_map_in_etcd_reads_as_the_map_file(spark: SparkSession, cluster: Cluster) -> None:
+    """`.option("cluster", "etcd://...")`: the same nodes and rows as the file it came from."""
+    server = Etcd().start()
+    try:
+        url = server.url("indexer/spark")
+        done = subprocess.run(
+            indexer_command("cluster", "init", "--cluster", url, "--from", str(cluster.map)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        want = model(cluster.documents, INDEXES["by_city"])
+        got = as_entries(read(spark, cluster=url, index="by_city"), INDEXES["by_city"])
+        assert sorted(got, key=row_order) == want
+        with pytest.raises(Exception) as raised:
+            read(spark, cluster=server.url("indexer/none"), index="by_city").collect()
+        assert "no cluster map yet" in error_message(raised.value)
+    finally:
+        server.stop()
 
 
 def test_a_stream_over_a_cluster_map_reads_each_nodes_changes_once(

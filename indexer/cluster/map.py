@@ -113,11 +113,33 @@ def parse_vbuckets(spec: Any, num: int, key: str) -> tuple[int, ...]:
     return tuple(sorted(owned))
 
 
+def vbucket_ranges(vbuckets: Sequence[int]) -> list[str]:
+    """Sorted vbuckets as the map writes them: "first-last" ranges."""
+    ranges: list[str] = []
+    start = previous = -2
+    for vb in sorted(vbuckets):
+        if vb != previous + 1:
+            if start >= 0:
+                ranges.append(f"{start}-{previous}")
+            start = vb
+        previous = vb
+    if start >= 0:
+        ranges.append(f"{start}-{previous}")
+    return ranges
+
+
 def parse_cluster_map(text: str, source: str = "cluster map") -> ClusterMap:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ClusterMapError(f"{source}: not valid TOML: {exc}") from None
+    return cluster_map_from(raw, source)
+
+
+def cluster_map_from(raw: Any, source: str) -> ClusterMap:
+    """A map from its tables (a file's TOML, or the JSON etcd holds), checked."""
+    if not isinstance(raw, dict):
+        raise ClusterMapError(f"{source}: the map is a table of num_vbuckets and nodes")
     unknown = set(raw) - {"num_vbuckets", "nodes"}
     if unknown:
         raise ClusterMapError(f"{source}: {sorted(unknown)[0]}: unknown key")
@@ -141,7 +163,12 @@ def parse_cluster_map(text: str, source: str = "cluster map") -> ClusterMap:
         for needed in ("feed", "http", "vbuckets"):
             if needed not in table:
                 raise ClusterMapError(f"{key}.{needed}: missing")
-        vbuckets = parse_vbuckets(table["vbuckets"], num, f"{key}.vbuckets")
+        # A node just added holds none until a rebalance gives it its share.
+        vbuckets = (
+            ()
+            if table["vbuckets"] == []
+            else parse_vbuckets(table["vbuckets"], num, f"{key}.vbuckets")
+        )
         for vb in vbuckets:
             if vb in owner:
                 raise ClusterMapError(

@@ -20,7 +20,8 @@ from pathlib import Path
 import trio
 
 from indexer.catalog import IndexCatalog
-from indexer.cluster import ClusterMapError, ClusterMapFile
+from indexer.cluster.map import ClusterMapError
+from indexer.cluster.store import map_source
 from indexer.keys import entry_tail
 from indexer.protocol import ErrorCode
 from indexer.storage import IndexStore, StoredIndex
@@ -28,7 +29,7 @@ from workers.flush import BackIndexCache, entry_counts
 
 log = logging.getLogger("indexer.slices")
 
-MAP_POLL_S = 2.0
+MAP_WAIT_S = 30.0  # the map is read again at least this often (a file's every 2 s)
 
 
 def delete_vbuckets(
@@ -65,12 +66,12 @@ class SliceWatch:
 
     def __init__(
         self,
-        path: Path,
+        where: Path | str,
         node: str,
         catalog: IndexCatalog,
         cache: BackIndexCache,
     ) -> None:
-        self.map_file = ClusterMapFile(path)
+        self.source = map_source(where)
         self.node = node
         self.catalog = catalog
         self.cache = cache
@@ -81,23 +82,24 @@ class SliceWatch:
         return {vb for vb, flag in enumerate(registry.owned) if flag}
 
     def _read(self) -> set[int] | None:
-        """This node's vbuckets in the map if the file changed, else None (errors logged)."""
+        """This node's vbuckets in the map if it changed, else None (errors logged).
+        Blocking (etcd is asked over HTTP): in a thread."""
         try:
-            cluster = self.map_file.changed()
+            cluster = self.source.changed()
             if cluster is None:
                 return None
             if cluster.num_vbuckets != len(self.catalog.reader.registry.owned):
-                raise ClusterMapError(f"{self.map_file.path}: num_vbuckets changed")
+                raise ClusterMapError(f"{self.source}: num_vbuckets changed")
             return set(cluster.node(self.node).vbuckets)
         except ClusterMapError as exc:
             log.error("%s; keeping this node's vbuckets", exc)
             return None
 
     async def run(self) -> None:
-        self._read()  # the map as the node started with it
+        await trio.to_thread.run_sync(self._read)  # the map as the node started with it
         while True:
-            await trio.sleep(MAP_POLL_S)
-            wanted = self._read()
+            await self.source.wait_change(MAP_WAIT_S)
+            wanted = await trio.to_thread.run_sync(self._read)
             if wanted is not None and wanted != self._owned():
                 await self.apply(wanted)
 

@@ -1,0 +1,192 @@
+"""`indexer cluster`: the cluster map in etcd, changed in transactions (init, add-node,
+remove-node, rebalance) and shown with the nodes' registrations (status)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from indexer.cli.common import fail
+
+CLUSTER_HELP = "The cluster: etcd://HOST:PORT[,HOST:PORT...]/PREFIX."
+cluster_option = click.option("--cluster", "where", metavar="URL", required=True, help=CLUSTER_HELP)
+
+
+def _etcd_map(where: str) -> Any:
+    from indexer.cluster.etcd import EtcdLocation
+    from indexer.cluster.store import EtcdMap
+
+    try:
+        return EtcdMap(EtcdLocation.parse(where))
+    except ValueError as exc:
+        fail(f"--cluster: {exc}", 2)
+
+
+def _change(where: str, make: Any) -> None:
+    """Write a change of the map in a transaction and say what the map is now."""
+    from indexer.cluster.etcd import EtcdError
+    from indexer.cluster.map import ClusterMapError
+
+    etcd_map = _etcd_map(where)
+    try:
+        cluster, revision = etcd_map.change(make)
+    except (ClusterMapError, EtcdError) as exc:
+        fail(str(exc))
+    nodes = ", ".join(f"{n.name} ({len(n.vbuckets)} vbuckets)" for n in cluster.nodes)
+    click.echo(f"map of {where} at revision {revision}: {nodes}")
+
+
+@click.group()
+def cluster() -> None:
+    """The cluster map in etcd: what each node owns. Each change is one transaction on the
+    map's revision; daemons, routers and readers watch the map and follow it.
+
+    Examples:
+
+    \b
+      indexer cluster init --cluster etcd://127.0.0.1:2379/indexer --from cluster.toml
+      indexer cluster add-node --cluster etcd://127.0.0.1:2379/indexer c \\
+          --feed 10.0.0.3:9105 --http 10.0.0.3:9102
+      indexer cluster rebalance --cluster etcd://127.0.0.1:2379/indexer
+      indexer cluster status --cluster etcd://127.0.0.1:2379/indexer --json
+    """
+
+
+@cluster.command()
+@cluster_option
+@click.option(
+    "--from",
+    "from_file",
+    metavar="FILE",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="A cluster map file (TOML, as --cluster-map takes) to start from.",
+)
+def init(where: str, from_file: Path) -> None:
+    """Create the cluster's map from a map file (refused if the cluster has one)."""
+    from indexer.cluster.map import ClusterMapError, load_cluster_map
+
+    try:
+        wanted = load_cluster_map(from_file)
+    except ClusterMapError as exc:
+        fail(str(exc), 2)
+
+    def make(now: Any) -> Any:
+        if now is not None:
+            raise ClusterMapError(
+                f"{where} has a map already: change it with add-node, remove-node or rebalance"
+            )
+        return wanted
+
+    _change(where, make)
+
+
+@cluster.command("add-node")
+@cluster_option
+@click.argument("name")
+@click.option("--feed", required=True, metavar="HOST:PORT", help="Where routers reach the node.")
+@click.option("--http", required=True, metavar="HOST:PORT", help="The node's HTTP API.")
+def add_node(where: str, name: str, feed: str, http: str) -> None:
+    """Add a node that owns nothing yet: `rebalance` gives it its share."""
+    from indexer.cluster.map import NODE_NAME, ClusterMapError, ClusterNode, _address
+
+    if not NODE_NAME.match(name):
+        fail(f"{name!r}: a node name is a letter then letters, digits, _ or -", 2)
+    try:
+        node = ClusterNode(name, _address(feed, "--feed"), _address(http, "--http"), ())
+    except ClusterMapError as exc:
+        fail(str(exc), 2)
+
+    def make(now: Any) -> Any:
+        if now is None:
+            raise ClusterMapError(f"{where}: no map yet (indexer cluster init)")
+        if any(n.name == name for n in now.nodes):
+            raise ClusterMapError(f"{where}: node {name!r} is in the map already")
+        return type(now)(now.num_vbuckets, (*now.nodes, node))
+
+    _change(where, make)
+
+
+@cluster.command("remove-node")
+@cluster_option
+@click.argument("name")
+def remove_node(where: str, name: str) -> None:
+    """Remove a node: its vbuckets go to the others, as evenly as it goes."""
+    from indexer.cluster.map import ClusterMapError
+    from indexer.cluster.store import rebalanced
+
+    def make(now: Any) -> Any:
+        if now is None:
+            raise ClusterMapError(f"{where}: no map yet (indexer cluster init)")
+        now.node(name)  # one line if it is not there
+        others = [n.name for n in now.nodes if n.name != name]
+        if not others:
+            raise ClusterMapError(f"{where}: {name!r} is the last node; the cluster needs one")
+        return rebalanced(now, others)
+
+    _change(where, make)
+
+
+@cluster.command()
+@cluster_option
+def rebalance(where: str) -> None:
+    """Share the vbuckets evenly among the nodes, moving as few as it can."""
+    from indexer.cluster.map import ClusterMapError
+    from indexer.cluster.store import rebalanced
+
+    def make(now: Any) -> Any:
+        if now is None:
+            raise ClusterMapError(f"{where}: no map yet (indexer cluster init)")
+        return rebalanced(now, [n.name for n in now.nodes])
+
+    _change(where, make)
+
+
+@cluster.command()
+@cluster_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
+def status(where: str, as_json: bool) -> None:
+    """The map's nodes, the vbuckets each owns, and whether each is registered (alive)."""
+    from indexer.cluster.etcd import EtcdError
+    from indexer.cluster.map import ClusterMapError, vbucket_ranges
+
+    etcd_map = _etcd_map(where)
+    try:
+        found, revision = etcd_map.read()
+        members = etcd_map.members()
+    except (ClusterMapError, EtcdError) as exc:
+        fail(str(exc))
+    nodes = {
+        node.name: {
+            "feed": node.feed_address,
+            "http": f"{node.http[0]}:{node.http[1]}",
+            "vbuckets": len(node.vbuckets),
+            "vbucket_ranges": vbucket_ranges(node.vbuckets),
+            "alive": node.name in members,
+            "lease_ttl_s": members.get(node.name, {}).get("lease_ttl_s"),
+        }
+        for node in found.nodes
+    }
+    strangers = sorted(set(members) - set(nodes))  # registered, but not in the map
+    if as_json:
+        answer = {
+            "cluster": where,
+            "revision": revision,
+            "num_vbuckets": found.num_vbuckets,
+            "nodes": nodes,
+            "registered_outside_the_map": strangers,
+        }
+        click.echo(json.dumps(answer, indent=2))
+        return
+    click.echo(f"{where}: map revision {revision}, {found.num_vbuckets} vbuckets")
+    for name, node in nodes.items():
+        state = f"alive (lease {node['lease_ttl_s']} s)" if node["alive"] else "not registered"
+        click.echo(
+            f"  {name}: {node['vbuckets']} vbuckets, feed {node['feed']}, http {node['http']}, "
+            f"{state}"
+        )
+    for name in strangers:
+        click.echo(f"  {name}: registered but not in the map")

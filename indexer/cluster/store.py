@@ -1,0 +1,252 @@
+"""The cluster map in etcd, and where a process finds its map: a file or etcd.
+
+etcd holds one key per cluster for the map, `PREFIX/map` (the map file's tables as JSON), which
+changes only by a transaction on its revision: two operators' changes never overwrite each
+other, the later one is computed again from the map the earlier one wrote. Each daemon
+registers under `PREFIX/nodes/NAME` with a lease it keeps alive: when the daemon dies or stops
+for longer than the lease's TTL, its key goes, and `indexer cluster status` says so.
+Processes watch the map's key instead of polling it."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from indexer.cluster.etcd import EtcdClient, EtcdError, EtcdLocation, watch
+from indexer.cluster.map import (
+    ClusterMap,
+    ClusterMapError,
+    ClusterMapFile,
+    cluster_map_from,
+    vbucket_ranges,
+)
+
+log = logging.getLogger("indexer.cluster")
+MAP_POLL_S = 2.0  # how often a map file is looked at again
+NODE_TTL_S = 10  # a node's registration outlives it by this much
+CHANGE_TRIES = 20  # a change computed again from a map changed meanwhile, at most this often
+
+
+def map_document(cluster: ClusterMap) -> bytes:
+    """The map as etcd holds it: the map file's tables, as JSON."""
+    nodes = {
+        node.name: {
+            "feed": node.feed_address,
+            "http": f"{node.http[0]}:{node.http[1]}",
+            "vbuckets": vbucket_ranges(node.vbuckets),
+        }
+        for node in cluster.nodes
+    }
+    return json.dumps({"num_vbuckets": cluster.num_vbuckets, "nodes": nodes}).encode()
+
+
+class EtcdMap:
+    """The map of the cluster at `location`, read and changed by transactions."""
+
+    def __init__(self, location: EtcdLocation, client: EtcdClient | None = None) -> None:
+        self.location = location
+        self.client = client if client is not None else EtcdClient(location)
+        self.key = location.key("map")
+
+    def read(self) -> tuple[ClusterMap, int]:
+        """The map and the revision it was last changed at; ClusterMapError if there is none."""
+        found, _ = self.client.get(self.key)
+        if found is None:
+            raise ClusterMapError(
+                f"{self.location}: no cluster map yet (indexer cluster init --cluster "
+                f"{self.location} --from MAP.toml)"
+            )
+        return self._parse(found.value), found.mod_revision
+
+    def _parse(self, value: bytes) -> ClusterMap:
+        try:
+            raw = json.loads(value)
+        except ValueError:
+            raise ClusterMapError(f"{self.location}: the map's key holds no JSON") from None
+        return cluster_map_from(raw, str(self.location))
+
+    def change(self, make: Callable[[ClusterMap | None], ClusterMap]) -> tuple[ClusterMap, int]:
+        """Write `make(the map now)` (None: there is none) in a transaction on the map's
+        revision, again from the new map if another change came first; the map written and
+        its revision."""
+        for _ in range(CHANGE_TRIES):
+            found, _ = self.client.get(self.key)
+            now = None if found is None else self._parse(found.value)
+            wanted = make(now)
+            at = 0 if found is None else found.mod_revision
+            if self.client.put_if(self.key, map_document(wanted), at):
+                written, _ = self.client.get(self.key)
+                assert written is not None
+                return wanted, written.mod_revision
+        raise ClusterMapError(
+            f"{self.location}: the map changed {CHANGE_TRIES} times while this change was "
+            "computed: try again"
+        )
+
+    def members(self) -> dict[str, dict[str, Any]]:
+        """The nodes registered now (their lease alive): what each said of itself, and the
+        seconds its lease has left."""
+        found, _ = self.client.get_prefix(self.location.key("nodes") + b"/")
+        members = {}
+        for kv in found:
+            name = kv.key.rsplit(b"/", 1)[-1].decode()
+            try:
+                said = json.loads(kv.value)
+            except ValueError:
+                said = {}
+            said["lease_ttl_s"] = self.client.time_to_live(kv.lease) if kv.lease else None
+            members[name] = said
+        return members
+
+
+class MapSource(Protocol):
+    """Where a process reads its cluster map, again whenever it may have changed."""
+
+    def load(self) -> ClusterMap: ...
+
+    def changed(self, force: bool = False) -> ClusterMap | None: ...
+
+    async def wait_change(self, most_s: float) -> None: ...
+
+    def __str__(self) -> str: ...
+
+
+class FileMapSource:
+    """A map file, looked at again every MAP_POLL_S."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = ClusterMapFile(path)
+
+    def load(self) -> ClusterMap:
+        found = self.file.changed(force=True)
+        assert found is not None
+        return found
+
+    def changed(self, force: bool = False) -> ClusterMap | None:
+        return self.file.changed(force)
+
+    async def wait_change(self, most_s: float) -> None:
+        await trio.sleep(min(most_s, MAP_POLL_S))
+
+    def __str__(self) -> str:
+        return str(self.file.path)
+
+
+class EtcdMapSource:
+    """The map in etcd, watched: `wait_change` returns as soon as the map's key changes."""
+
+    def __init__(self, location: EtcdLocation) -> None:
+        self.location = location
+        self.map = EtcdMap(location)
+        self.revision = 0  # of the map last read
+
+    def load(self) -> ClusterMap:
+        try:
+            cluster, self.revision = self.map.read()
+        except EtcdError as exc:
+            raise ClusterMapError(str(exc)) from None
+        return cluster
+
+    def changed(self, force: bool = False) -> ClusterMap | None:
+        try:
+            found, _ = self.map.client.get(self.map.key)
+        except EtcdError as exc:
+            raise ClusterMapError(str(exc)) from None
+        if found is None:
+            raise ClusterMapError(f"{self.location}: the cluster map was deleted")
+        if found.mod_revision == self.revision and not force:
+            return None
+        self.revision = found.mod_revision
+        return self.map._parse(found.value)
+
+    async def wait_change(self, most_s: float) -> None:
+        with trio.move_on_after(most_s):
+            try:
+                async for _, events in watch(self.location, self.map.key, self.revision + 1):
+                    if events:
+                        return
+            except EtcdError as exc:
+                log.warning("%s; reading the map again in %g s", exc, MAP_POLL_S)
+                await trio.sleep(MAP_POLL_S)
+
+    def __str__(self) -> str:
+        return str(self.location)
+
+
+def map_source(where: str | Path) -> MapSource:
+    """The map at `where`: `etcd://HOST:PORT[,...]/PREFIX`, or a map file's path."""
+    text = str(where)
+    if text.startswith("etcd:"):
+        try:
+            return EtcdMapSource(EtcdLocation.parse(text))
+        except ValueError as exc:
+            raise ClusterMapError(str(exc)) from None
+    return FileMapSource(Path(where))
+
+
+def load_map(where: str | Path) -> ClusterMap:
+    """The map at `where` now (a file or etcd); ClusterMapError with one line if there is none."""
+    return map_source(where).load()
+
+
+async def keep_registered(
+    location: EtcdLocation, name: str, said: dict[str, Any], ttl_s: int = NODE_TTL_S
+) -> None:
+    """Register node `name` under a lease and keep it alive until cancelled (then revoke it:
+    a node stopped cleanly leaves at once). etcd unreachable: logged, and tried again."""
+    client = EtcdClient(location)
+    key = location.key("nodes", name)
+    lease = 0
+    try:
+        while True:
+            try:
+                if lease == 0 or await trio.to_thread.run_sync(client.keep_alive, lease) <= 0:
+                    lease = await trio.to_thread.run_sync(client.grant, ttl_s)
+                    body = json.dumps({**said, "registered_at": time.time()}).encode()
+                    await trio.to_thread.run_sync(client.put, key, body, lease)
+                    log.info("registered as node %s in %s (lease %d s)", name, location, ttl_s)
+            except EtcdError as exc:
+                log.warning("%s; registering again in %d s", exc, max(1, ttl_s // 3))
+                lease = 0
+            await trio.sleep(max(1, ttl_s // 3))
+    finally:
+        if lease:
+            # Shielded: a clean stop leaves at once (else the lease's TTL ends it).
+            with trio.CancelScope(shield=True), contextlib.suppress(EtcdError):
+                await trio.to_thread.run_sync(client.revoke, lease)
+        client.close()
+
+
+def rebalanced(cluster: ClusterMap, names: Sequence[str]) -> ClusterMap:
+    """The map with every vbucket owned by one of the nodes `names` (the others leave it), as
+    evenly as it goes, moving as few as it can: each node keeps what it has up to its share,
+    the rest go to those below theirs."""
+    num = cluster.num_vbuckets
+    share, extra = divmod(num, len(names))
+    targets = {name: share + (1 if i < extra else 0) for i, name in enumerate(sorted(names))}
+    kept: dict[str, list[int]] = {name: [] for name in names}
+    free: list[int] = []
+    owners = {vb: node.name for node in cluster.nodes for vb in node.vbuckets}
+    for vb in range(num):
+        owner = owners.get(vb)
+        if owner in kept and len(kept[owner]) < targets[owner]:
+            kept[owner].append(vb)
+        else:
+            free.append(vb)
+    for name in sorted(names):
+        while len(kept[name]) < targets[name]:
+            kept[name].append(free.pop(0))
+    nodes = tuple(
+        dataclasses.replace(node, vbuckets=tuple(sorted(kept[node.name])))
+        for node in cluster.nodes
+        if node.name in kept
+    )
+    return ClusterMap(num, nodes)

@@ -1,0 +1,131 @@
+"""A cluster whose map is in etcd: `indexer cluster` changes it in transactions, daemons
+register under leases and follow it, and a router and scans watch it. A real etcd (Debian's
+etcd-server) and real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from indexer.cluster.map import parse_vbuckets
+from indexer.router import Workload, generate
+from indexer.router.documents import Document, vbucket_of
+from tests.e2e.conftest import INDEXES, indexer_command, model, wait_equal, write_jsonl
+from tests.e2e.test_cluster import write_map
+from tests.harness import Etcd
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def etcd() -> Iterator[Etcd]:
+    server = Etcd().start()
+    yield server
+    server.stop()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(indexer_command(*args), capture_output=True, text=True, timeout=120)
+
+
+def status(url: str) -> dict[str, Any]:
+    done = cli("cluster", "status", "--cluster", url, "--json")
+    assert done.returncode == 0, done.stderr
+    found: dict[str, Any] = json.loads(done.stdout)
+    return found
+
+
+def owned(documents: list[Document], vbuckets: set[int]) -> list[Document]:
+    return [d for d in documents if vbucket_of(d.docid.encode(), 1024) in vbuckets]
+
+
+def slices(url: str) -> dict[str, set[int]]:
+    """Each node's vbuckets, as `cluster status` gives them."""
+    nodes = status(url)["nodes"]
+    return {
+        name: set(parse_vbuckets(node["vbucket_ranges"], 1024, name)) if node["vbuckets"] else set()
+        for name, node in nodes.items()
+    }
+
+
+def scan_equals_the_model(url: str, documents: list[Document]) -> None:
+    for name, paths in INDEXES.items():
+        done = cli("scan", name, "--cluster", url, "--consistency", "request_plus")
+        assert done.returncode == 0, done.stderr
+        assert [json.loads(line) for line in done.stdout.splitlines()] == model(documents, paths)
+
+
+def test_a_cluster_in_etcd_routes_scans_and_rebalances_onto_a_new_node(
+    daemon_factory: Any, routers: Any, tmp_path: Path, etcd: Etcd
+) -> None:
+    url = etcd.url("indexer/test")
+    a, b, c = daemon_factory(), daemon_factory(), daemon_factory()
+    start = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
+    done = cli("cluster", "init", "--cluster", url, "--from", str(start))
+    assert done.returncode == 0 and "revision" in done.stdout, done.stderr
+    again = cli("cluster", "init", "--cluster", url, "--from", str(start))
+    assert again.returncode == 1 and "has a map already" in again.stderr, again.stderr
+    for daemon, name in ((a, "a"), (b, "b")):
+        daemon.args = ["--cluster", url, "--node", name]
+        daemon.start()
+    documents = list(generate(Workload(6_000, 2_000, 0.1, 511)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow", "--cluster", url
+    )
+    for name, vbuckets in slices(url).items():
+        wait_equal({"a": a, "b": b}[name], owned(documents, vbuckets))
+    scan_equals_the_model(url, documents)
+    found = status(url)
+    assert {n: (v["vbuckets"], v["alive"]) for n, v in found["nodes"].items()} == {
+        "a": (512, True),
+        "b": (512, True),
+    }
+    # A third node, added with nothing, then given its share: the nodes and the router follow
+    # the map's watch while documents keep coming.
+    done = cli(
+        "cluster", "add-node", "--cluster", url, "c",
+        "--feed", c.address, "--http", f"127.0.0.1:{c.http_port}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    c.args = ["--cluster", url, "--node", "c"]
+    c.start()
+    done = cli("cluster", "rebalance", "--cluster", url)
+    assert done.returncode == 0 and "c (341 vbuckets)" in done.stdout, done.stdout
+    more = list(generate(Workload(3_000, 2_000, 0.1, 512)))
+    write_jsonl(jsonl, more, append=True)
+    documents += more
+    now = slices(url)
+    assert sorted(len(v) for v in now.values()) == [341, 341, 342]
+    assert set().union(*now.values()) == set(range(1024))
+    assert now["a"] <= set(range(512)) and now["b"] <= set(range(512, 1024))  # few moves
+    for name, vbuckets in now.items():
+        wait_equal({"a": a, "b": b, "c": c}[name], owned(documents, vbuckets))
+    scan_equals_the_model(url, documents)
+    assert all(node["alive"] for node in status(url)["nodes"].values())
+    # A node stopped cleanly leaves its registration at once (a killed one at its lease's end).
+    assert c.stop() == 0
+    assert status(url)["nodes"]["c"]["alive"] is False
+    assert router.stop() == 0
+
+
+def test_bad_cluster_addresses_and_changes_fail_with_one_line(tmp_path: Path, etcd: Etcd) -> None:
+    empty = etcd.url("indexer/empty")
+    for args, code, message in (
+        (["cluster", "status", "--cluster", empty], 1, "no cluster map yet"),
+        (["cluster", "rebalance", "--cluster", empty], 1, "no map yet"),
+        (["cluster", "status", "--cluster", "etcd://127.0.0.1:1/x"], 1, "cannot be reached"),
+        (["cluster", "status", "--cluster", "http://127.0.0.1:1/x"], 2, "is not etcd://"),
+        (["cluster", "status", "--cluster", f"etcd://{etcd.endpoint}"], 2, "a prefix"),
+        (["scan", "by_age", "--cluster", empty], 2, "no cluster map yet"),
+        (["serve", "--cluster", empty, "--node", "a"], 2, "no cluster map yet"),
+    ):
+        done = cli(*args)
+        assert done.returncode == code, (args, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (args, done.stderr)

@@ -1,0 +1,91 @@
+"""The cluster map in etcd without a server: addresses, the gateway's requests and answers,
+and rebalancing (indexer/cluster/etcd.py, indexer/cluster/store.py)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from indexer.cluster.etcd import (
+    EtcdError,
+    EtcdLocation,
+    key_values,
+    prefix_end,
+    put_if_request,
+    watch_events,
+)
+from indexer.cluster.map import ClusterMap, ClusterNode, cluster_map_from, vbucket_ranges
+from indexer.cluster.store import map_document, rebalanced
+
+
+def test_a_cluster_address_names_its_endpoints_and_prefix() -> None:
+    found = EtcdLocation.parse("etcd://10.0.0.1:2379,10.0.0.2:2379/indexer/prod/")
+    assert found.endpoints == ("http://10.0.0.1:2379", "http://10.0.0.2:2379")
+    assert found.key("map") == b"/indexer/prod/map"
+    assert str(found) == "etcd://10.0.0.1:2379,10.0.0.2:2379/indexer/prod"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["http://h:1/x", "etcd://h:1", "etcd://h:1/", "etcd:///x", "etcd://h/x", "etcd://h:1/a b"],
+)
+def test_bad_cluster_addresses_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        EtcdLocation.parse(text)
+
+
+def test_a_change_of_the_map_compares_its_revision() -> None:
+    first = put_if_request(b"/p/map", b"{}", 0)
+    assert (
+        first["compare"][0]["target"] == "CREATE" and first["compare"][0]["create_revision"] == "0"
+    )
+    later = put_if_request(b"/p/map", b"{}", 42)
+    assert later["compare"][0] == {
+        "key": base64.b64encode(b"/p/map").decode(),
+        "result": "EQUAL",
+        "target": "MOD",
+        "mod_revision": "42",
+    }
+    assert prefix_end(b"/p/nodes/") == b"/p/nodes0"
+
+
+def test_answers_and_watch_lines_decode() -> None:
+    kv = {"key": base64.b64encode(b"k").decode(), "value": base64.b64encode(b"v").decode()}
+    body = {"kvs": [{**kv, "mod_revision": "7", "lease": "9"}]}
+    assert key_values(body)[0] == (b"k", b"v", 7, 9)
+    line = json.dumps(
+        {"result": {"header": {"revision": "8"}, "events": [{"type": "DELETE", "kv": kv}]}}
+    )
+    revision, events = watch_events(line)
+    assert revision == 8 and events[0].deleted and events[0].kv.key == b"k"
+    with pytest.raises(EtcdError, match="canceled"):
+        watch_events(json.dumps({"result": {"canceled": True, "cancel_reason": "compacted"}}))
+
+
+def node(name: str, vbuckets: range | tuple[int, ...]) -> ClusterNode:
+    return ClusterNode(name, ("127.0.0.1", 1), ("127.0.0.1", 2), tuple(vbuckets))
+
+
+def test_a_rebalance_shares_evenly_and_moves_few() -> None:
+    before = ClusterMap(1024, (node("a", range(512)), node("b", range(512, 1024)), node("c", ())))
+    after = rebalanced(before, ["a", "b", "c"])
+    sizes = {n.name: len(n.vbuckets) for n in after.nodes}
+    assert sorted(sizes.values()) == [341, 341, 342]
+    assert set(after.node("a").vbuckets) <= set(range(512))
+    moved = sum(
+        1 for n in after.nodes for vb in n.vbuckets if vb not in before.node(n.name).vbuckets
+    )
+    assert moved == sizes["c"]  # only what the new node takes
+    gone = rebalanced(after, ["a", "b"])  # c leaves: its vbuckets go to the others
+    assert [n.name for n in gone.nodes] == ["a", "b"]
+    assert sorted(vb for n in gone.nodes for vb in n.vbuckets) == list(range(1024))
+
+
+def test_the_map_etcd_holds_reads_back_as_the_same_map() -> None:
+    cluster = ClusterMap(
+        16, (node("a", (0, 1, 2, 5, 6, 9)), node("b", (3, 4, 7, 8, *range(10, 16))))
+    )
+    assert vbucket_ranges((0, 1, 2, 5, 6, 9)) == ["0-2", "5-6", "9-9"]
+    assert cluster_map_from(json.loads(map_document(cluster)), "etcd") == cluster
