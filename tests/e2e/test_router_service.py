@@ -224,7 +224,10 @@ def test_the_generator_input_reaches_the_daemon_at_its_rate(
 
 def test_bad_router_commands_fail_with_one_line(tmp_path: Path) -> None:
     for args, message in (
-        (["--state", str(tmp_path / "s")], "give the nodes with --to HOST:PORT or --cluster-map"),
+        (
+            ["--state", str(tmp_path / "s")],
+            "give the nodes with --to HOST:PORT, --cluster-map FILE or --cluster",
+        ),
         (
             ["--state", str(tmp_path / "s"), "--cluster-map", str(tmp_path / "none.toml")],
             "none.toml",
