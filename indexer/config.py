@@ -49,6 +49,7 @@ class ServerConfig:
     owned_vbuckets: tuple[int, ...]
     log_level: str
     flow_control_bytes: int = 4 << 20
+    cluster_lease_s: int = 10  # a node's registration in etcd, and its failover's delay
     # Set by `indexer serve --cluster-map F --node N` (or --cluster etcd://...): the node
     # follows the map's changes.
     cluster_map: Path | str | None = None
@@ -473,6 +474,7 @@ def parse_config(text: str | None = None, source: str = "configuration") -> Conf
         owned_vbuckets=_vbuckets(raw["server"]["owned_vbuckets"], num_vbuckets),
         log_level=log_level,
         flow_control_bytes=s.integer("flow_control_bytes", 1024, 1 << 30),
+        cluster_lease_s=s.integer("cluster_lease_s", 2, 3600),
     )
     if server.flow_control_bytes < server.max_frame_bytes:
         raise s.fail("flow_control_bytes", "must be at least max_frame_bytes")

@@ -23,6 +23,7 @@ from indexer.asgi import serve_asgi
 from indexer.build import read_progress, resumed_builds
 from indexer.catalog import IndexCatalog
 from indexer.changes import ChangeHistory
+from indexer.cluster.failover import watch_for_failover
 from indexer.cluster.slices import SliceWatch
 from indexer.cluster.store import EtcdMapSource, keep_registered
 from indexer.collector import freeze_long_lived, rare_collections
@@ -300,8 +301,12 @@ async def serve(
                     services.start_soon(watch.run)
                     if isinstance(watch.source, EtcdMapSource):  # the node says it is alive
                         said = {"feed": f"{server.host}:{server.feed_port}", "http_port": http_port}
+                        location, lease_s = watch.source.location, server.cluster_lease_s
                         services.start_soon(
-                            keep_registered, watch.source.location, server.cluster_node, said
+                            keep_registered, location, server.cluster_node, said, lease_s
+                        )
+                        services.start_soon(
+                            watch_for_failover, location, server.cluster_node, lease_s
                         )
                 async with trio.open_nursery() as keeping:
                     keeping.start_soon(timekeeper.run)

@@ -129,7 +129,9 @@ def _node_apis(path: Path | str, daemon: ApiOptions) -> dict[str, Api]:
     config = _config(daemon.config_file) if daemon.config_file is not None else None
     bearer, context = _client_security(config, daemon.token, daemon.token_file, daemon.tls_ca)
     verify = context if context is not None else True
-    return {n.name: Api(n.base_url(context is not None), bearer, verify) for n in cluster.nodes}
+    return {
+        n.name: Api(n.base_url(context is not None), bearer, verify) for n in cluster.active_nodes
+    }
 
 
 def _start(since: str, apis: dict[str, Api]) -> dict[str, str]:

@@ -3,6 +3,7 @@ remove-node, rebalance) and shown with the nodes' registrations (status)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -89,14 +90,21 @@ def init(where: str, from_file: Path) -> None:
 @click.argument("name")
 @click.option("--feed", required=True, metavar="HOST:PORT", help="Where routers reach the node.")
 @click.option("--http", required=True, metavar="HOST:PORT", help="The node's HTTP API.")
-def add_node(where: str, name: str, feed: str, http: str) -> None:
-    """Add a node that owns nothing yet: `rebalance` gives it its share."""
+@click.option(
+    "--replica-of",
+    metavar="NAME",
+    help="A replica of this active node: it holds the same vbuckets (streamed to it by the "
+    "routers), and takes them over if that node's lease expires.",
+)
+def add_node(where: str, name: str, feed: str, http: str, replica_of: str | None) -> None:
+    """Add a node: an active one that owns nothing yet (`rebalance` gives it its share), or a
+    replica of an active node."""
     from indexer.cluster.map import NODE_NAME, ClusterMapError, ClusterNode, _address
 
     if not NODE_NAME.match(name):
         fail(f"{name!r}: a node name is a letter then letters, digits, _ or -", 2)
     try:
-        node = ClusterNode(name, _address(feed, "--feed"), _address(http, "--http"), ())
+        node = ClusterNode(name, _address(feed, "--feed"), _address(http, "--http"), (), replica_of)
     except ClusterMapError as exc:
         fail(str(exc), 2)
 
@@ -105,7 +113,13 @@ def add_node(where: str, name: str, feed: str, http: str) -> None:
             raise ClusterMapError(f"{where}: no map yet (indexer cluster init)")
         if any(n.name == name for n in now.nodes):
             raise ClusterMapError(f"{where}: node {name!r} is in the map already")
-        return type(now)(now.num_vbuckets, (*now.nodes, node))
+        added = node
+        if replica_of is not None:
+            active = now.node(replica_of)
+            if active.replica_of is not None:
+                raise ClusterMapError(f"{where}: {replica_of!r} is a replica itself")
+            added = dataclasses.replace(node, vbuckets=active.vbuckets)
+        return type(now)(now.num_vbuckets, (*now.nodes, added))
 
     _change(where, make)
 
@@ -114,15 +128,17 @@ def add_node(where: str, name: str, feed: str, http: str) -> None:
 @cluster_option
 @click.argument("name")
 def remove_node(where: str, name: str) -> None:
-    """Remove a node: its vbuckets go to the others, as evenly as it goes."""
+    """Remove a node: an active one's vbuckets go to the other active nodes, as evenly as it
+    goes (its replicas leave with it); a replica just leaves."""
     from indexer.cluster.map import ClusterMapError
     from indexer.cluster.store import rebalanced
 
     def make(now: Any) -> Any:
         if now is None:
             raise ClusterMapError(f"{where}: no map yet (indexer cluster init)")
-        now.node(name)  # one line if it is not there
-        others = [n.name for n in now.nodes if n.name != name]
+        if now.node(name).replica_of is not None:  # one line if it is not there
+            return type(now)(now.num_vbuckets, tuple(n for n in now.nodes if n.name != name))
+        others = [n.name for n in now.active_nodes if n.name != name]
         if not others:
             raise ClusterMapError(f"{where}: {name!r} is the last node; the cluster needs one")
         return rebalanced(now, others)
@@ -140,7 +156,7 @@ def rebalance(where: str) -> None:
     def make(now: Any) -> Any:
         if now is None:
             raise ClusterMapError(f"{where}: no map yet (indexer cluster init)")
-        return rebalanced(now, [n.name for n in now.nodes])
+        return rebalanced(now, [n.name for n in now.active_nodes])
 
     _change(where, make)
 
@@ -165,6 +181,7 @@ def status(where: str, as_json: bool) -> None:
             "http": f"{node.http[0]}:{node.http[1]}",
             "vbuckets": len(node.vbuckets),
             "vbucket_ranges": vbucket_ranges(node.vbuckets),
+            "role": "active" if node.replica_of is None else f"replica of {node.replica_of}",
             "alive": node.name in members,
             "lease_ttl_s": members.get(node.name, {}).get("lease_ttl_s"),
         }
@@ -185,7 +202,8 @@ def status(where: str, as_json: bool) -> None:
     for name, node in nodes.items():
         state = f"alive (lease {node['lease_ttl_s']} s)" if node["alive"] else "not registered"
         click.echo(
-            f"  {name}: {node['vbuckets']} vbuckets, feed {node['feed']}, http {node['http']}, "
+            f"  {name}: {node['role']}, {node['vbuckets']} vbuckets, feed {node['feed']}, "
+            f"http {node['http']}, "
             f"{state}"
         )
     for name in strangers:

@@ -12,7 +12,8 @@ A map is a TOML file:
     http = "127.0.0.1:9202"
     vbuckets = ["512-1023"]
 
-Every vbucket belongs to exactly one node. `indexer serve --cluster-map F --node a` takes its
+Every vbucket belongs to exactly one active node. A node with `replica_of = "a"` (and no
+`vbuckets`) is a replica of node a: it holds a's vbuckets, and scans read the active nodes only. `indexer serve --cluster-map F --node a` takes its
 slice and ports from it, `indexer router --cluster-map F` streams to every node (each gets only
 its vbuckets), and `indexer scan --cluster-map F` fans a scan out to every node and merges the
 rows in index order (`merge_rows`): a document lives in one vbucket, so in one node's slice.
@@ -22,6 +23,7 @@ speaks HTTPS to each.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import re
@@ -52,6 +54,9 @@ class ClusterNode:
     feed: tuple[str, int]
     http: tuple[str, int]
     vbuckets: tuple[int, ...]
+    # A replica holds the vbuckets of the active node it names, streamed by the routers as to
+    # that node, with its own store, snapshots and history; scans read the active nodes only.
+    replica_of: str | None = None
 
     @property
     def feed_address(self) -> str:
@@ -71,6 +76,14 @@ class ClusterMap:
     num_vbuckets: int
     nodes: tuple[ClusterNode, ...]
 
+    @property
+    def active_nodes(self) -> tuple[ClusterNode, ...]:
+        """The nodes scans and change feeds read: every vbucket's one active owner."""
+        return tuple(n for n in self.nodes if n.replica_of is None)
+
+    def replicas_of(self, name: str) -> tuple[ClusterNode, ...]:
+        return tuple(n for n in self.nodes if n.replica_of == name)
+
     def node(self, name: str) -> ClusterNode:
         for node in self.nodes:
             if node.name == name:
@@ -79,7 +92,7 @@ class ClusterMap:
         raise ClusterMapError(f"no node named {name!r} in the map (nodes: {known})")
 
     def owner(self, vbucket: int) -> ClusterNode:
-        for node in self.nodes:
+        for node in self.active_nodes:
             if vbucket in node.vbuckets:
                 return node
         raise ClusterMapError(f"vbucket {vbucket} has no node")
@@ -157,9 +170,18 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
             raise ClusterMapError(f"{key}: a node name is a letter then letters, digits, _ or -")
         if not isinstance(table, dict):
             raise ClusterMapError(f"{key}: must be a table")
-        extra = set(table) - {"feed", "http", "vbuckets"}
+        extra = set(table) - {"feed", "http", "vbuckets", "replica_of"}
         if extra:
             raise ClusterMapError(f"{key}.{sorted(extra)[0]}: unknown key")
+        replica_of = table.get("replica_of")
+        if replica_of is not None:
+            if not isinstance(replica_of, str) or replica_of not in tables or replica_of == name:
+                raise ClusterMapError(f"{key}.replica_of: {replica_of!r} is not another node")
+            if "vbuckets" in table:
+                raise ClusterMapError(
+                    f"{key}.vbuckets: a replica holds the vbuckets of nodes.{replica_of}"
+                )
+            table = {**table, "vbuckets": []}  # filled in below, from its active node
         for needed in ("feed", "http", "vbuckets"):
             if needed not in table:
                 raise ClusterMapError(f"{key}.{needed}: missing")
@@ -169,7 +191,7 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
             if table["vbuckets"] == []
             else parse_vbuckets(table["vbuckets"], num, f"{key}.vbuckets")
         )
-        for vb in vbuckets:
+        for vb in vbuckets if replica_of is None else ():
             if vb in owner:
                 raise ClusterMapError(
                     f"{key}.vbuckets: vbucket {vb} is also in nodes.{owner[vb]}.vbuckets"
@@ -181,8 +203,19 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
                 _address(table["feed"], f"{key}.feed"),
                 _address(table["http"], f"{key}.http"),
                 vbuckets,
+                replica_of,
             )
         )
+    by_name = {node.name: node for node in nodes}
+    for i, node in enumerate(nodes):
+        if node.replica_of is not None:
+            active = by_name[node.replica_of]
+            if active.replica_of is not None:
+                raise ClusterMapError(
+                    f"{source}: nodes.{node.name}.replica_of: nodes.{active.name} is a replica "
+                    "itself"
+                )
+            nodes[i] = dataclasses.replace(node, vbuckets=active.vbuckets)
     missing = [vb for vb in range(num) if vb not in owner]
     if missing:
         raise ClusterMapError(
@@ -260,7 +293,7 @@ def scan_cluster(
     token: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
 ) -> Iterator[Iterator[dict[str, Any]]]:
-    """Every node's scan of `index` with the same parameters, merged in index order.
+    """Every active node's scan of `index` with the same parameters, merged in index order.
 
     All nodes are asked at once and read as the merge needs them (each node streams its rows in
     order, so the merge holds one row per node). `limit` is applied to the merged rows too.
@@ -279,7 +312,7 @@ def scan_cluster(
     ):
         streams: list[Iterator[dict[str, Any]]] = []
         desc: tuple[bool, ...] = ()
-        for node in cluster.nodes:
+        for node in cluster.active_nodes:
             base = node.base_url(ssl_context is not None)
             if not streams:  # the order of the index's keys, to merge the nodes' rows by
                 try:

@@ -90,6 +90,14 @@ class SliceWatch:
                 return None
             if cluster.num_vbuckets != len(self.catalog.reader.registry.owned):
                 raise ClusterMapError(f"{self.source}: num_vbuckets changed")
+            if all(n.name != self.node for n in cluster.nodes):
+                # Removed from the map (a failover replaced it): fenced, it owns nothing.
+                log.warning(
+                    "%s: node %s is no longer in the map: it owns nothing now",
+                    self.source,
+                    self.node,
+                )
+                return set()
             return set(cluster.node(self.node).vbuckets)
         except ClusterMapError as exc:
             log.error("%s; keeping this node's vbuckets", exc)

@@ -37,14 +37,17 @@ CHANGE_TRIES = 20  # a change computed again from a map changed meanwhile, at mo
 
 def map_document(cluster: ClusterMap) -> bytes:
     """The map as etcd holds it: the map file's tables, as JSON."""
-    nodes = {
-        node.name: {
+    nodes: dict[str, dict[str, Any]] = {}
+    for node in cluster.nodes:
+        table: dict[str, Any] = {
             "feed": node.feed_address,
             "http": f"{node.http[0]}:{node.http[1]}",
-            "vbuckets": vbucket_ranges(node.vbuckets),
         }
-        for node in cluster.nodes
-    }
+        if node.replica_of is None:
+            table["vbuckets"] = vbucket_ranges(node.vbuckets)
+        else:
+            table["replica_of"] = node.replica_of
+        nodes[node.name] = table
     return json.dumps({"num_vbuckets": cluster.num_vbuckets, "nodes": nodes}).encode()
 
 
@@ -226,15 +229,16 @@ async def keep_registered(
 
 
 def rebalanced(cluster: ClusterMap, names: Sequence[str]) -> ClusterMap:
-    """The map with every vbucket owned by one of the nodes `names` (the others leave it), as
-    evenly as it goes, moving as few as it can: each node keeps what it has up to its share,
-    the rest go to those below theirs."""
+    """The map with every vbucket owned by one of the active nodes `names` (the other active
+    nodes leave it, with their replicas), as evenly as it goes, moving as few as it can: each
+    node keeps what it has up to its share, the rest go to those below theirs. Replicas hold
+    what their active node holds."""
     num = cluster.num_vbuckets
     share, extra = divmod(num, len(names))
     targets = {name: share + (1 if i < extra else 0) for i, name in enumerate(sorted(names))}
     kept: dict[str, list[int]] = {name: [] for name in names}
     free: list[int] = []
-    owners = {vb: node.name for node in cluster.nodes for vb in node.vbuckets}
+    owners = {vb: node.name for node in cluster.active_nodes for vb in node.vbuckets}
     for vb in range(num):
         owner = owners.get(vb)
         if owner in kept and len(kept[owner]) < targets[owner]:
@@ -245,8 +249,8 @@ def rebalanced(cluster: ClusterMap, names: Sequence[str]) -> ClusterMap:
         while len(kept[name]) < targets[name]:
             kept[name].append(free.pop(0))
     nodes = tuple(
-        dataclasses.replace(node, vbuckets=tuple(sorted(kept[node.name])))
+        dataclasses.replace(node, vbuckets=tuple(sorted(kept[node.replica_of or node.name])))
         for node in cluster.nodes
-        if node.name in kept
+        if (node.replica_of or node.name) in kept
     )
     return ClusterMap(num, nodes)

@@ -189,7 +189,8 @@ def cluster_targets(
                 f"(0-{cluster.num_vbuckets - 1})"
             )
     return [
-        Target(n.base_url(access.tls), n.name, frozenset(n.vbuckets), access) for n in cluster.nodes
+        Target(n.base_url(access.tls), n.name, frozenset(n.vbuckets), access)
+        for n in cluster.active_nodes
     ]
 
 

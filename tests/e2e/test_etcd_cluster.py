@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,51 @@ def test_a_cluster_in_etcd_routes_scans_and_rebalances_onto_a_new_node(
     # A node stopped cleanly leaves its registration at once (a killed one at its lease's end).
     assert c.stop() == 0
     assert status(url)["nodes"]["c"]["alive"] is False
+    assert router.stop() == 0
+
+
+def test_a_killed_node_fails_over_to_its_replica_losing_nothing(
+    daemon_factory: Any, routers: Any, tmp_path: Path, etcd: Etcd
+) -> None:
+    url = etcd.url("indexer/failover")
+    a, b, a2 = (daemon_factory(server={"cluster_lease_s": 2}) for _ in range(3))
+    start = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
+    assert cli("cluster", "init", "--cluster", url, "--from", str(start)).returncode == 0
+    done = cli(
+        "cluster", "add-node", "--cluster", url, "a2", "--replica-of", "a",
+        "--feed", a2.address, "--http", f"127.0.0.1:{a2.http_port}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for daemon, name in ((a, "a"), (b, "b"), (a2, "a2")):
+        daemon.args = ["--cluster", url, "--node", name]
+        daemon.start()
+    documents = list(generate(Workload(6_000, 2_000, 0.1, 521)))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow", "--cluster", url
+    )
+    low, high = set(range(512)), set(range(512, 1024))
+    for daemon, vbuckets in ((a, low), (a2, low), (b, high)):  # the replica gets a's stream
+        wait_equal(daemon, owned(documents, vbuckets))
+    assert status(url)["nodes"]["a2"]["role"] == "replica of a"
+    scan_equals_the_model(url, documents)  # the active nodes alone: nothing twice
+    # a dies; its lease runs out, and a2 takes over while documents keep coming.
+    a.kill()
+    more = list(generate(Workload(3_000, 2_000, 0.1, 522)))
+    write_jsonl(jsonl, more, append=True)
+    documents += more
+    deadline = time.monotonic() + 60
+    while "a" in (nodes := status(url)["nodes"]):
+        assert time.monotonic() < deadline, nodes
+        time.sleep(0.2)
+    assert nodes["a2"]["role"] == "active" and nodes["a2"]["vbuckets"] == 512
+    wait_equal(a2, owned(documents, low))
+    wait_equal(b, owned(documents, high))
+    scan_equals_the_model(url, documents)
+    assert "failover: node a's lease expired" in a2.log()
+    # The old node is fenced: the map no longer has it.
+    again = cli("serve", "--cluster", url, "--node", "a")
+    assert again.returncode == 2 and "no node named 'a'" in again.stderr, again.stderr
     assert router.stop() == 0
 
 

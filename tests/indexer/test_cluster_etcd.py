@@ -16,7 +16,15 @@ from indexer.cluster.etcd import (
     put_if_request,
     watch_events,
 )
-from indexer.cluster.map import ClusterMap, ClusterNode, cluster_map_from, vbucket_ranges
+from indexer.cluster.failover import promoted
+from indexer.cluster.map import (
+    ClusterMap,
+    ClusterMapError,
+    ClusterNode,
+    cluster_map_from,
+    parse_cluster_map,
+    vbucket_ranges,
+)
 from indexer.cluster.store import map_document, rebalanced
 
 
@@ -64,8 +72,8 @@ def test_answers_and_watch_lines_decode() -> None:
         watch_events(json.dumps({"result": {"canceled": True, "cancel_reason": "compacted"}}))
 
 
-def node(name: str, vbuckets: range | tuple[int, ...]) -> ClusterNode:
-    return ClusterNode(name, ("127.0.0.1", 1), ("127.0.0.1", 2), tuple(vbuckets))
+def node(name: str, vbuckets: range | tuple[int, ...], of: str | None = None) -> ClusterNode:
+    return ClusterNode(name, ("127.0.0.1", 1), ("127.0.0.1", 2), tuple(vbuckets), of)
 
 
 def test_a_rebalance_shares_evenly_and_moves_few() -> None:
@@ -89,3 +97,37 @@ def test_the_map_etcd_holds_reads_back_as_the_same_map() -> None:
     )
     assert vbucket_ranges((0, 1, 2, 5, 6, 9)) == ["0-2", "5-6", "9-9"]
     assert cluster_map_from(json.loads(map_document(cluster)), "etcd") == cluster
+
+
+def test_a_replica_holds_its_active_nodes_vbuckets_and_scans_skip_it() -> None:
+    text = """num_vbuckets = 8
+[nodes.a]
+feed = "127.0.0.1:1"
+http = "127.0.0.1:2"
+vbuckets = ["0-3"]
+[nodes.b]
+feed = "127.0.0.1:3"
+http = "127.0.0.1:4"
+vbuckets = ["4-7"]
+[nodes.a2]
+feed = "127.0.0.1:5"
+http = "127.0.0.1:6"
+replica_of = "a"
+"""
+    cluster = parse_cluster_map(text)
+    assert cluster.node("a2").vbuckets == (0, 1, 2, 3)
+    assert [n.name for n in cluster.active_nodes] == ["a", "b"] and cluster.owner(1).name == "a"
+    assert cluster_map_from(json.loads(map_document(cluster)), "etcd") == cluster
+    # a rebalance moves a replica with its active node
+    moved = rebalanced(ClusterMap(8, (*cluster.nodes, node("c", ()))), ["a", "b", "c"])
+    assert moved.node("a2").vbuckets == moved.node("a").vbuckets
+    # a failover: a2 is active for a's vbuckets, a is gone, a's other replicas follow a2
+    after = promoted(ClusterMap(8, (*cluster.nodes, node("a3", (0, 1, 2, 3), "a"))), "a2", "a")
+    assert [n.name for n in after.active_nodes] == ["b", "a2"]
+    assert after.node("a3").replica_of == "a2" and "a" not in {n.name for n in after.nodes}
+    for bad, message in (
+        (text.replace('replica_of = "a"', 'replica_of = "z"'), "not another node"),
+        (text + 'vbuckets = ["0-3"]\n', "holds the vbuckets of nodes.a"),
+    ):
+        with pytest.raises(ClusterMapError, match=message):
+            parse_cluster_map(bad)
