@@ -42,6 +42,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_postgres_source.py",
     "tests/e2e/test_faults.py",
     "tests/e2e/test_router_shards.py",
+    "tests/e2e/test_etcd_cluster.py",
     "tests/e2e/test_ingest.py",
     "tests/e2e/test_deferred_build.py",
     "tests/e2e/test_rollback.py",

@@ -49,9 +49,6 @@ def cluster() -> None:
 
     \b
       indexer cluster init --cluster etcd://127.0.0.1:2379/indexer --from cluster.toml
-      indexer cluster add-node --cluster etcd://127.0.0.1:2379/indexer c \\
-          --feed 10.0.0.3:9105 --http 10.0.0.3:9102
-      indexer cluster rebalance --cluster etcd://127.0.0.1:2379/indexer
       indexer cluster status --cluster etcd://127.0.0.1:2379/indexer --json
     """
 
@@ -67,7 +64,13 @@ def cluster() -> None:
     help="A cluster map file (TOML, as --cluster-map takes) to start from.",
 )
 def init(where: str, from_file: Path) -> None:
-    """Create the cluster's map from a map file (refused if the cluster has one)."""
+    """Create the cluster's map from a map file (refused if the cluster has one).
+
+    Examples:
+
+    \b
+      indexer cluster init --cluster etcd://127.0.0.1:2379/indexer --from cluster.toml
+    """
     from indexer.cluster.map import ClusterMapError, load_cluster_map
 
     try:
@@ -98,7 +101,15 @@ def init(where: str, from_file: Path) -> None:
 )
 def add_node(where: str, name: str, feed: str, http: str, replica_of: str | None) -> None:
     """Add a node: an active one that owns nothing yet (`rebalance` gives it its share), or a
-    replica of an active node."""
+    replica of an active node.
+
+    Examples:
+
+    \b
+      indexer cluster add-node --cluster etcd://h:2379/x c --feed h3:9105 --http h3:9102
+      indexer cluster add-node --cluster etcd://h:2379/x a2 --replica-of a --feed h4:9105 \\
+          --http h4:9102
+    """
     from indexer.cluster.map import NODE_NAME, ClusterMapError, ClusterNode, _address
 
     if not NODE_NAME.match(name):
@@ -129,7 +140,13 @@ def add_node(where: str, name: str, feed: str, http: str, replica_of: str | None
 @click.argument("name")
 def remove_node(where: str, name: str) -> None:
     """Remove a node: an active one's vbuckets go to the other active nodes, as evenly as it
-    goes (its replicas leave with it); a replica just leaves."""
+    goes (its replicas leave with it); a replica just leaves.
+
+    Examples:
+
+    \b
+      indexer cluster remove-node --cluster etcd://127.0.0.1:2379/indexer c
+    """
     from indexer.cluster.map import ClusterMapError
     from indexer.cluster.store import rebalanced
 
@@ -149,7 +166,13 @@ def remove_node(where: str, name: str) -> None:
 @cluster.command()
 @cluster_option
 def rebalance(where: str) -> None:
-    """Share the vbuckets evenly among the nodes, moving as few as it can."""
+    """Share the vbuckets evenly among the active nodes, moving as few as it can.
+
+    Examples:
+
+    \b
+      indexer cluster rebalance --cluster etcd://127.0.0.1:2379/indexer
+    """
     from indexer.cluster.map import ClusterMapError
     from indexer.cluster.store import rebalanced
 
@@ -165,7 +188,14 @@ def rebalance(where: str) -> None:
 @cluster_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
 def status(where: str, as_json: bool) -> None:
-    """The map's nodes, the vbuckets each owns, and whether each is registered (alive)."""
+    """The map's nodes, their roles, the vbuckets each holds, and whether each is registered
+    (alive, with the seconds its lease has left).
+
+    Examples:
+
+    \b
+      indexer cluster status --cluster etcd://127.0.0.1:2379/indexer --json
+    """
     from indexer.cluster.etcd import EtcdError
     from indexer.cluster.map import ClusterMapError, vbucket_ranges
 

@@ -69,8 +69,7 @@ def serve(
 
     \b
       indexer serve --config my.toml --data-dir /srv/idx --feed-port 9200
-      indexer serve --cluster-map cluster.toml --node a --log-format json
-      indexer serve --cluster etcd://127.0.0.1:2379/indexer --node a
+      indexer serve --cluster etcd://127.0.0.1:2379/indexer --node a --log-format json
     """
     from indexer.daemon import StartError
     from indexer.daemon import serve as run_daemon

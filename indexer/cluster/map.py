@@ -13,11 +13,12 @@ A map is a TOML file:
     vbuckets = ["512-1023"]
 
 Every vbucket belongs to exactly one active node. A node with `replica_of = "a"` (and no
-`vbuckets`) is a replica of node a: it holds a's vbuckets, and scans read the active nodes only. `indexer serve --cluster-map F --node a` takes its
-slice and ports from it, `indexer router --cluster-map F` streams to every node (each gets only
-its vbuckets), and `indexer scan --cluster-map F` fans a scan out to every node and merges the
-rows in index order (`merge_rows`): a document lives in one vbucket, so in one node's slice.
-With a shared token and TLS (docs/security.md) the scan sends the token to every node and
+`vbuckets`) is a replica of node a: it holds a's vbuckets, and scans read the active nodes
+only. `indexer serve --cluster-map F --node a` takes its slice and ports from it, `indexer
+router --cluster-map F` streams to every node (each gets only its vbuckets), and `indexer scan
+--cluster-map F` fans a scan out to every active node and merges the rows in index order
+(`merge_rows`): a document lives in one vbucket, so in one node's slice. With a shared token
+and TLS (docs/security.md) the scan sends the token to every node and
 speaks HTTPS to each.
 """
 

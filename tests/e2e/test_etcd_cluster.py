@@ -61,6 +61,22 @@ def scan_equals_the_model(url: str, documents: list[Document]) -> None:
         assert [json.loads(line) for line in done.stdout.splitlines()] == model(documents, paths)
 
 
+def serve_and_route(
+    url: str, nodes: dict[str, Any], routers: Any, tmp_path: Path, workload: Workload
+) -> tuple[list[Document], Path, Any]:
+    """Start each daemon as its node of the map at `url`, and a router following the map and
+    a JSONL file that starts with `workload`."""
+    for name, daemon in nodes.items():
+        daemon.args = ["--cluster", url, "--node", name]
+        daemon.start()
+    documents = list(generate(workload))
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow", "--cluster", url
+    )
+    return documents, jsonl, router
+
+
 def test_a_cluster_in_etcd_routes_scans_and_rebalances_onto_a_new_node(
     daemon_factory: Any, routers: Any, tmp_path: Path, etcd: Etcd
 ) -> None:
@@ -71,13 +87,8 @@ def test_a_cluster_in_etcd_routes_scans_and_rebalances_onto_a_new_node(
     assert done.returncode == 0 and "revision" in done.stdout, done.stderr
     again = cli("cluster", "init", "--cluster", url, "--from", str(start))
     assert again.returncode == 1 and "has a map already" in again.stderr, again.stderr
-    for daemon, name in ((a, "a"), (b, "b")):
-        daemon.args = ["--cluster", url, "--node", name]
-        daemon.start()
-    documents = list(generate(Workload(6_000, 2_000, 0.1, 511)))
-    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
-    router = routers(
-        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow", "--cluster", url
+    documents, jsonl, router = serve_and_route(
+        url, {"a": a, "b": b}, routers, tmp_path, Workload(6_000, 2_000, 0.1, 511)
     )
     for name, vbuckets in slices(url).items():
         wait_equal({"a": a, "b": b}[name], owned(documents, vbuckets))
@@ -127,13 +138,8 @@ def test_a_killed_node_fails_over_to_its_replica_losing_nothing(
         "--feed", a2.address, "--http", f"127.0.0.1:{a2.http_port}",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    for daemon, name in ((a, "a"), (b, "b"), (a2, "a2")):
-        daemon.args = ["--cluster", url, "--node", name]
-        daemon.start()
-    documents = list(generate(Workload(6_000, 2_000, 0.1, 521)))
-    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)
-    router = routers(
-        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow", "--cluster", url
+    documents, jsonl, router = serve_and_route(
+        url, {"a": a, "b": b, "a2": a2}, routers, tmp_path, Workload(6_000, 2_000, 0.1, 521)
     )
     low, high = set(range(512)), set(range(512, 1024))
     for daemon, vbuckets in ((a, low), (a2, low), (b, high)):  # the replica gets a's stream
