@@ -816,7 +816,10 @@ class ChangeHistory:
                 "bound_s": keep_s,
                 "marks": sum(1 for m in marks if now - m.persisted_at <= keep_s),
             },
-            "snapshots": {"bound": max(keep_marks, 1), "marks": min(len(marks), keep_marks)},
+            "snapshots": {
+                "bound": max(keep_marks, 1),
+                "marks": min(len(marks), max(keep_marks, 1)),
+            },
             "size": {"bound_bytes": keep_bytes, "history_bytes": size},
             "leases": {"marks": sum(1 for m in marks if live and m.number >= min(live))},
             "oldest_kept_by": held_by,

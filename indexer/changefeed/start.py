@@ -88,18 +88,15 @@ class SnapshotStart:
         if self.exact is not None:
             yield from self.store.main_range(self.index, self.exact, after, through)
             return
+        later = self.store.main_range(self.index, self.later, after, through)
+        changed = self.changed
+        if not changed:  # nothing changed since the mark: the later snapshot's entries
+            yield from later
+            return
         rebuilt = self.rebuilt
         low = 0 if after is None else bisect.bisect_right(rebuilt, after)
         high = len(rebuilt) if through is None else bisect.bisect_right(rebuilt, through)
-        changed = self.changed
-        kept = (
-            entry
-            for entry in self.store.main_range(self.index, self.later, after, through)
-            if split_tail(entry)[1] not in changed
-        )
-        if not changed:
-            yield from kept
-            return
+        kept = (entry for entry in later if split_tail(entry)[1] not in changed)
         yield from heapq.merge(kept, islice(rebuilt, low, high))
 
     def page_end(self, after: bytes | None, limit: int) -> bytes | None:

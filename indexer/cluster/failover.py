@@ -51,8 +51,7 @@ async def watch_for_failover(location: EtcdLocation, name: str, ttl_s: float) ->
             me = cluster.node(name)
             active = me.replica_of
             if active is not None:
-                members = await trio.to_thread.run_sync(etcd_map.members)
-                if active in members:
+                if active in await trio.to_thread.run_sync(etcd_map.registered):
                     missing_since = None
                 elif missing_since is None:
                     missing_since = time.monotonic()

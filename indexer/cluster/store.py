@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import trio
 
-from indexer.cluster.etcd import EtcdClient, EtcdError, EtcdLocation, watch
+from indexer.cluster.etcd import EtcdClient, EtcdError, EtcdLocation, KeyValue, watch
 from indexer.cluster.map import (
     ClusterMap,
     ClusterMapError,
@@ -67,9 +67,10 @@ class EtcdMap:
                 f"{self.location}: no cluster map yet (indexer cluster init --cluster "
                 f"{self.location} --from MAP.toml)"
             )
-        return self._parse(found.value), found.mod_revision
+        return self.parse(found.value), found.mod_revision
 
-    def _parse(self, value: bytes) -> ClusterMap:
+    def parse(self, value: bytes) -> ClusterMap:
+        """The map in the value of its key."""
         try:
             raw = json.loads(value)
         except ValueError:
@@ -82,7 +83,7 @@ class EtcdMap:
         its revision."""
         for _ in range(CHANGE_TRIES):
             found, _ = self.client.get(self.key)
-            now = None if found is None else self._parse(found.value)
+            now = None if found is None else self.parse(found.value)
             wanted = make(now)
             at = 0 if found is None else found.mod_revision
             if self.client.put_if(self.key, map_document(wanted), at):
@@ -94,13 +95,16 @@ class EtcdMap:
             "computed: try again"
         )
 
-    def members(self) -> dict[str, dict[str, Any]]:
-        """The nodes registered now (their lease alive): what each said of itself, and the
-        seconds its lease has left."""
+    def registered(self) -> dict[str, KeyValue]:
+        """The registrations alive now, by node name: a key per node, gone with its lease."""
         found, _ = self.client.get_prefix(self.location.key("nodes") + b"/")
+        return {kv.key.rsplit(b"/", 1)[-1].decode(): kv for kv in found}
+
+    def members(self) -> dict[str, dict[str, Any]]:
+        """The nodes registered now: what each said of itself, and the seconds its lease has
+        left (a request per node: for `status`, not for a loop)."""
         members = {}
-        for kv in found:
-            name = kv.key.rsplit(b"/", 1)[-1].decode()
+        for name, kv in self.registered().items():
             try:
                 said = json.loads(kv.value)
             except ValueError:
@@ -168,7 +172,7 @@ class EtcdMapSource:
         if found.mod_revision == self.revision and not force:
             return None
         self.revision = found.mod_revision
-        return self.map._parse(found.value)
+        return self.map.parse(found.value)
 
     async def wait_change(self, most_s: float) -> None:
         with trio.move_on_after(most_s):

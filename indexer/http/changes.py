@@ -461,12 +461,17 @@ class ChangeRoutes(ScanRoutes):
                 await self.view.snapshots.wait_changed()
         return history.latest if history.latest is not None else latest
 
-    async def _latest(self, history: ChangeHistory, send: Send) -> int:
-        """since=latest: the token of the latest persisted snapshot, and no rows."""
+    def _persisted(self, history: ChangeHistory) -> tuple[StabilitySnapshot, Mark]:
+        """The persisted snapshot and its mark; 503 while the mark of a new one is written."""
         snap = self.view.snapshots.persisted_snapshot
         latest = history.latest
         if snap is None or latest is None or snap.timestamp.seqnos != latest.timestamp:
             raise ApiError(503, "a snapshot is being persisted: retry", {RETRY_AFTER: "1"})
+        return snap, latest
+
+    async def _latest(self, history: ChangeHistory, send: Send) -> int:
+        """since=latest: the token of the latest persisted snapshot, and no rows."""
+        _, latest = self._persisted(history)
         token = f"{history.history_id}.{latest.number}"
         await _respond(send, 200, b"", NDJSON, {NEXT_HEADER: token, SNAPSHOT_HEADER: token})
         return 0
@@ -488,11 +493,7 @@ class ChangeRoutes(ScanRoutes):
         never goes past the start's end), or up to `ends`, then the changes after the mark up
         to `ends.until` when the read goes that far. The mark is the latest persisted
         snapshot's, or that of the token or of `until`."""
-        snaps = self.view.snapshots
-        persisted = snaps.persisted_snapshot
-        latest = history.latest
-        if persisted is None or latest is None or persisted.timestamp.seqnos != latest.timestamp:
-            raise ApiError(503, "a snapshot is being persisted: retry", {RETRY_AFTER: "1"})
+        persisted, latest = self._persisted(history)
         if start is not None:
             mark = start.since
         elif ends.mark is not None:
