@@ -206,6 +206,7 @@ async def serve(
             source=store.source,
             adopt_source=adopt_source,
         )
+        snapshots.owned = registry.owned
         _log_source(store.source, adopt_source, sum(counts))
         timekeeper = Timekeeper(
             hwt,

@@ -175,12 +175,16 @@ class StabilitySnapshot:
         timestamp: StabilityTimestamp,
         store_snapshot: Any,
         entry_counts: dict[str, int] | None = None,
+        held: bytes = b"",
     ) -> None:
         self.number = number
         self.timestamp = timestamp
         self.store_snapshot = store_snapshot
         # Entries per index name as the snapshot shows them: whole-index counts need no walk.
         self.entry_counts = entry_counts or {}
+        # A flag per vbucket: the node received it when the snapshot was made, so the snapshot
+        # holds its documents (a vbucket the node gave up since may be deleted already).
+        self.held = held
         self.created_at = time.time()
         self._refs = 0
 
@@ -227,7 +231,8 @@ class RolledBackError(Exception):
 class SnapshotStore:
     """The latest readable and persisted snapshots and the pinned ones; tasks wait here."""
 
-    def __init__(self, persisted: StabilityTimestamp) -> None:
+    def __init__(self, persisted: StabilityTimestamp, owned: bytearray | None = None) -> None:
+        self.owned = owned  # the node's vbuckets now, a flag each (None: all of them)
         self.stable: StabilitySnapshot | None = None
         self.persisted = persisted
         self.persisted_snapshot: StabilitySnapshot | None = None
@@ -248,8 +253,9 @@ class SnapshotStore:
         entry_counts: dict[str, int] | None = None,
     ) -> StabilitySnapshot:
         self._numbers += 1
+        held = bytes(self.owned) if self.owned is not None else b""
         snapshot = StabilitySnapshot(
-            self._numbers, timestamp, store_snapshot, entry_counts
+            self._numbers, timestamp, store_snapshot, entry_counts, held
         ).acquire()
         old = self.stable
         self.stable = snapshot
@@ -287,6 +293,10 @@ class SnapshotStore:
         rollbacks = self.rollbacks
         while True:
             stable = self.stable
+            # A vbucket this node gave up meanwhile (a rebalance) never comes: not waited for.
+            held = b"" if stable is None else stable.held
+            if held and not all(held[vb] for vb, _ in wanted):
+                wanted = [(vb, s) for vb, s in wanted if held[vb]]
             if stable is not None and stable.timestamp.covers(wanted):
                 return stable
             await self.wait_changed()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import ssl
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -414,20 +415,18 @@ def _scan_cluster(
 ) -> None:
     import json
 
-    from indexer.cluster.map import ClusterMapError, ClusterScanError, scan_cluster
-    from indexer.cluster.store import load_map
+    from indexer.cluster.map import ClusterMapError, ClusterScanError
+    from indexer.cluster.store import scan_the_cluster
 
     try:
-        cluster = load_map(path)
-    except ClusterMapError as exc:
-        fail(str(exc), 2)
-    try:
-        with scan_cluster(
-            cluster, name, params, timeout, token=token, ssl_context=ssl_context
+        with scan_the_cluster(
+            path, name, params, timeout, token=token, ssl_context=ssl_context
         ) as rows:
             out = sys.stdout
             for row in rows:
                 out.write(json.dumps(row, ensure_ascii=False, separators=(", ", ": ")) + "\n")
+    except ClusterMapError as exc:
+        fail(str(exc), 2)
     except ClusterScanError as exc:
         fail(str(exc))
     except BrokenPipeError:
@@ -692,7 +691,6 @@ def build_index(
       indexer build-index by_zip by_name adults --wait
       indexer build-index by_zip --url http://127.0.0.1:9102
     """
-    import time
 
     for name in names:
         _index_name(name)
@@ -710,7 +708,6 @@ def build_index(
 
 def _wait_built(api: Api, name: str, timeout: float) -> None:
     """Poll the index's state, showing its build progress, until it is active."""
-    import time
 
     deadline = time.monotonic() + timeout
     shown = 0

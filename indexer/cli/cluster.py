@@ -135,53 +135,105 @@ def add_node(where: str, name: str, feed: str, http: str, replica_of: str | None
     _change(where, make)
 
 
+def _move_options(command: Any) -> Any:
+    """What a change that moves vbuckets takes: how long to wait, and how to ask the nodes."""
+    command = click.option(
+        "--timeout",
+        type=click.FloatRange(0),
+        default=600.0,
+        show_default=True,
+        help="Seconds to wait for the new owners to catch up before the hand-over.",
+    )(command)
+    return click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="A configuration whose token and TLS the nodes' APIs ask for.",
+    )(command)
+
+
+def _mover(where: str, timeout: float, config_file: Path | None) -> Any:
+    from indexer.cli.common import _client_security, _config
+    from indexer.cluster.moves import Mover
+
+    config = _config(config_file) if config_file is not None else None
+    token, context = _client_security(config, None, None, None)
+    return Mover(_etcd_map(where), click.echo, timeout, token, context)
+
+
+def _moved(where: str, run: Any) -> None:
+    from indexer.cluster.etcd import EtcdError
+    from indexer.cluster.map import ClusterMapError
+
+    try:
+        cluster, revision = run()
+    except (ClusterMapError, EtcdError) as exc:
+        fail(str(exc))
+    nodes = ", ".join(f"{n.name} ({len(n.vbuckets)} vbuckets)" for n in cluster.nodes)
+    click.echo(f"map of {where} at revision {revision}: {nodes}")
+
+
 @cluster.command("remove-node")
 @cluster_option
 @click.argument("name")
-def remove_node(where: str, name: str) -> None:
-    """Remove a node: an active one's vbuckets go to the other active nodes, as evenly as it
-    goes (its replicas leave with it); a replica just leaves.
+@_move_options
+def remove_node(where: str, name: str, timeout: float, config_file: Path | None) -> None:
+    """Remove a node: an active one's vbuckets move to the other active nodes, as evenly as it
+    goes, and it leaves (with its replicas) once they have caught up; a replica just leaves.
 
     Examples:
 
     \b
       indexer cluster remove-node --cluster etcd://127.0.0.1:2379/indexer c
     """
-    from indexer.cluster.map import ClusterMapError
+    from indexer.cluster.map import ClusterMap, ClusterMapError
     from indexer.cluster.store import rebalanced
 
-    def make(now: Any) -> Any:
-        if now is None:
-            raise ClusterMapError(f"{where}: no map yet (indexer cluster init)")
+    def make(now: ClusterMap) -> ClusterMap:
         if now.node(name).replica_of is not None:  # one line if it is not there
-            return type(now)(now.num_vbuckets, tuple(n for n in now.nodes if n.name != name))
+            return ClusterMap(now.num_vbuckets, tuple(n for n in now.nodes if n.name != name))
         others = [n.name for n in now.active_nodes if n.name != name]
         if not others:
             raise ClusterMapError(f"{where}: {name!r} is the last node; the cluster needs one")
         return rebalanced(now, others)
 
-    _change(where, make)
+    mover = _mover(where, timeout, config_file)
+    _moved(where, lambda: mover.start(make, leaving=[name]))
 
 
 @cluster.command()
 @cluster_option
-def rebalance(where: str) -> None:
-    """Share the vbuckets evenly among the active nodes, moving as few as it can.
+@_move_options
+@click.option("--resume", is_flag=True, help="Wait for a rebalance in progress and finish it.")
+@click.option("--abort", is_flag=True, help="Drop a rebalance in progress: nothing moves.")
+def rebalance(
+    where: str, timeout: float, config_file: Path | None, resume: bool, abort: bool
+) -> None:
+    """Share the vbuckets evenly among the active nodes, moving as few as it can, without a
+    gap: each moving vbucket is built on its new owner from the routers' logs while its owner
+    still answers, and all are handed over in one transaction once caught up.
 
     Examples:
 
     \b
       indexer cluster rebalance --cluster etcd://127.0.0.1:2379/indexer
     """
-    from indexer.cluster.map import ClusterMapError
+    from indexer.cluster.map import ClusterMap
     from indexer.cluster.store import rebalanced
 
-    def make(now: Any) -> Any:
-        if now is None:
-            raise ClusterMapError(f"{where}: no map yet (indexer cluster init)")
-        return rebalanced(now, [n.name for n in now.active_nodes])
+    if resume and abort:
+        fail("--resume or --abort: one of the two", 2)
+    mover = _mover(where, timeout, config_file)
+    if abort:
+        _moved(where, mover.abort)
+    elif resume:
+        _moved(where, mover.finish)
+    else:
 
-    _change(where, make)
+        def make(now: ClusterMap) -> ClusterMap:
+            return rebalanced(now, [n.name for n in now.active_nodes])
+
+        _moved(where, lambda: mover.start(make))
 
 
 @cluster.command()
@@ -211,6 +263,8 @@ def status(where: str, as_json: bool) -> None:
             "http": f"{node.http[0]}:{node.http[1]}",
             "vbuckets": len(node.vbuckets),
             "vbucket_ranges": vbucket_ranges(node.vbuckets),
+            "building": len(node.building),
+            "building_ranges": vbucket_ranges(node.building),
             "role": "active" if node.replica_of is None else f"replica of {node.replica_of}",
             "alive": node.name in members,
             "lease_ttl_s": members.get(node.name, {}).get("lease_ttl_s"),
@@ -224,17 +278,20 @@ def status(where: str, as_json: bool) -> None:
             "revision": revision,
             "num_vbuckets": found.num_vbuckets,
             "nodes": nodes,
+            "moves_in_progress": len(found.moves),
             "registered_outside_the_map": strangers,
         }
         click.echo(json.dumps(answer, indent=2))
         return
     click.echo(f"{where}: map revision {revision}, {found.num_vbuckets} vbuckets")
+    if found.moves:
+        click.echo(f"  a rebalance is in progress: {len(found.moves)} vbuckets moving")
     for name, node in nodes.items():
+        building = f", building {node['building']}" if node["building"] else ""
         state = f"alive (lease {node['lease_ttl_s']} s)" if node["alive"] else "not registered"
         click.echo(
-            f"  {name}: {node['role']}, {node['vbuckets']} vbuckets, feed {node['feed']}, "
-            f"http {node['http']}, "
-            f"{state}"
+            f"  {name}: {node['role']}, {node['vbuckets']} vbuckets{building}, "
+            f"feed {node['feed']}, http {node['http']}, {state}"
         )
     for name in strangers:
         click.echo(f"  {name}: registered but not in the map")

@@ -97,7 +97,7 @@ def serve(
             "host": entry.feed[0],
             "feed_port": entry.feed[1] if feed_port is None else feed_port,
             "http_port": entry.http[1] if http_port is None else http_port,
-            "owned_vbuckets": entry.vbuckets,
+            "owned_vbuckets": entry.receives,
             "num_vbuckets": num,
             "cluster_map": where,
             "cluster_node": node,

@@ -14,7 +14,9 @@ A map is a TOML file:
 
 Every vbucket belongs to exactly one active node. A node with `replica_of = "a"` (and no
 `vbuckets`) is a replica of node a: it holds a's vbuckets, and scans read the active nodes
-only. `indexer serve --cluster-map F --node a` takes its slice and ports from it, `indexer
+only. During a rebalance a node's `building` vbuckets are moving to it: it receives them from
+the routers while their owner still answers for them, and the rebalance hands them over once it
+has caught up. `indexer serve --cluster-map F --node a` takes its slice and ports from it, `indexer
 router --cluster-map F` streams to every node (each gets only its vbuckets), and `indexer scan
 --cluster-map F` fans a scan out to every active node and merges the rows in index order
 (`merge_rows`): a document lives in one vbucket, so in one node's slice. With a shared token
@@ -30,6 +32,7 @@ import json
 import re
 import ssl
 import tomllib
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -58,6 +61,13 @@ class ClusterNode:
     # A replica holds the vbuckets of the active node it names, streamed by the routers as to
     # that node, with its own store, snapshots and history; scans read the active nodes only.
     replica_of: str | None = None
+    # Vbuckets moving to this node in a rebalance: received, not yet answered for.
+    building: tuple[int, ...] = ()
+
+    @property
+    def receives(self) -> tuple[int, ...]:
+        """What the routers stream to this node: its vbuckets and those moving to it."""
+        return tuple(sorted({*self.vbuckets, *self.building}))
 
     @property
     def feed_address(self) -> str:
@@ -81,6 +91,15 @@ class ClusterMap:
     def active_nodes(self) -> tuple[ClusterNode, ...]:
         """The nodes scans and change feeds read: every vbucket's one active owner."""
         return tuple(n for n in self.nodes if n.replica_of is None)
+
+    @property
+    def moves(self) -> dict[int, tuple[str, str]]:
+        """The moves of a rebalance in progress: vbucket -> (its owner now, the node it goes to)."""
+        return {
+            vb: (self.owner(vb).name, node.name)
+            for node in self.active_nodes
+            for vb in node.building
+        }
 
     def replicas_of(self, name: str) -> tuple[ClusterNode, ...]:
         return tuple(n for n in self.nodes if n.replica_of == name)
@@ -165,23 +184,25 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
         raise ClusterMapError(f"{source}: nodes: at least one [nodes.NAME] table")
     nodes = []
     owner: dict[int, str] = {}
+    builder: dict[int, str] = {}  # vbucket -> the node it moves to
     for name, table in tables.items():
         key = f"{source}: nodes.{name}"
         if not NODE_NAME.match(name):
             raise ClusterMapError(f"{key}: a node name is a letter then letters, digits, _ or -")
         if not isinstance(table, dict):
             raise ClusterMapError(f"{key}: must be a table")
-        extra = set(table) - {"feed", "http", "vbuckets", "replica_of"}
+        extra = set(table) - {"feed", "http", "vbuckets", "replica_of", "building"}
         if extra:
             raise ClusterMapError(f"{key}.{sorted(extra)[0]}: unknown key")
         replica_of = table.get("replica_of")
         if replica_of is not None:
             if not isinstance(replica_of, str) or replica_of not in tables or replica_of == name:
                 raise ClusterMapError(f"{key}.replica_of: {replica_of!r} is not another node")
-            if "vbuckets" in table:
-                raise ClusterMapError(
-                    f"{key}.vbuckets: a replica holds the vbuckets of nodes.{replica_of}"
-                )
+            for held in ("vbuckets", "building"):
+                if held in table:
+                    raise ClusterMapError(
+                        f"{key}.{held}: a replica holds the vbuckets of nodes.{replica_of}"
+                    )
             table = {**table, "vbuckets": []}  # filled in below, from its active node
         for needed in ("feed", "http", "vbuckets"):
             if needed not in table:
@@ -198,6 +219,18 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
                     f"{key}.vbuckets: vbucket {vb} is also in nodes.{owner[vb]}.vbuckets"
                 )
             owner[vb] = name
+        building: tuple[int, ...] = ()
+        if table.get("building", []) != []:
+            building = parse_vbuckets(table["building"], num, f"{key}.building")
+            if set(building) & set(vbuckets):
+                both = min(set(building) & set(vbuckets))
+                raise ClusterMapError(f"{key}.building: vbucket {both} is in its vbuckets already")
+            for vb in building:
+                if vb in builder:
+                    raise ClusterMapError(
+                        f"{key}.building: vbucket {vb} is moving to nodes.{builder[vb]} too"
+                    )
+                builder[vb] = name
         nodes.append(
             ClusterNode(
                 name,
@@ -205,6 +238,7 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
                 _address(table["http"], f"{key}.http"),
                 vbuckets,
                 replica_of,
+                building,
             )
         )
     by_name = {node.name: node for node in nodes}
@@ -216,7 +250,7 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
                     f"{source}: nodes.{node.name}.replica_of: nodes.{active.name} is a replica "
                     "itself"
                 )
-            nodes[i] = dataclasses.replace(node, vbuckets=active.vbuckets)
+            nodes[i] = dataclasses.replace(node, vbuckets=active.vbuckets, building=active.building)
     missing = [vb for vb in range(num) if vb not in owner]
     if missing:
         raise ClusterMapError(
@@ -284,6 +318,20 @@ class ClusterScanError(Exception):
     """A node refused or failed a fanned-out scan; the message names the node."""
 
 
+class ClusterMapMoved(ClusterScanError):
+    """A node no longer holds vbuckets the scan's map gives it (a rebalance handed them over):
+    read the map again and scan again. Raised before any row."""
+
+
+def answered_for(
+    rows: Iterator[dict[str, Any]], vbuckets: frozenset[int], num_vbuckets: int
+) -> Iterator[dict[str, Any]]:
+    """The rows of documents in `vbuckets` (a node's answer holds others too during a move)."""
+    for row in rows:
+        if zlib.crc32(str(row["id"]).encode()) % num_vbuckets in vbuckets:
+            yield row
+
+
 @contextmanager
 def scan_cluster(
     cluster: ClusterMap,
@@ -300,20 +348,44 @@ def scan_cluster(
     order, so the merge holds one row per node). `limit` is applied to the merged rows too.
     `token` goes to every node as a bearer token; with `ssl_context` the nodes are asked over
     HTTPS and their certificates checked with it.
+
+    Each vbucket is read from the one node the map gives it to, whatever else nodes hold: a
+    node's answer says which vbuckets its snapshot holds (VBUCKETS_HEADER). Rows of the others
+    (moving to it in a rebalance, or given up since the map was read) are left out, and a node
+    that no longer holds all of its own raises ClusterMapMoved. So a scan during a rebalance
+    neither misses nor repeats a row.
     """
     import httpx
 
-    from indexer.client import bearer, error_text
+    from indexer.client import VBUCKETS_HEADER, bearer, error_text
 
     headers = bearer(token)
     verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+    num = cluster.num_vbuckets
     with (
         httpx.Client(timeout=timeout, headers=headers, verify=verify) as client,
         ExitStack() as stack,
     ):
         streams: list[Iterator[dict[str, Any]]] = []
         desc: tuple[bool, ...] = ()
+
+        def open_scan(node: ClusterNode, asked: dict[str, Any]) -> httpx.Response:
+            base = node.base_url(ssl_context is not None)
+            url = base + index_path(index, "scan")
+            try:
+                response = stack.enter_context(client.stream("GET", url, params=asked))
+            except httpx.HTTPError as exc:
+                raise ClusterScanError(f"node {node.name} ({base}): {exc}") from None
+            if response.status_code != 200:
+                message = error_text(response.read())
+                raise ClusterScanError(
+                    f"node {node.name} ({base}): HTTP {response.status_code}: {message}"
+                )
+            return response
+
         for node in cluster.active_nodes:
+            if not node.vbuckets:  # added, and nothing handed over to it yet
+                continue
             base = node.base_url(ssl_context is not None)
             if not streams:  # the order of the index's keys, to merge the nodes' rows by
                 try:
@@ -322,17 +394,27 @@ def scan_cluster(
                     raise ClusterScanError(f"node {node.name} ({base}): {exc}") from None
                 if described.status_code == 200:
                     desc = tuple(k.endswith(" DESC") for k in described.json().get("keys", ()))
-            url = base + index_path(index, "scan")
-            try:
-                response = stack.enter_context(client.stream("GET", url, params=params))
-            except httpx.HTTPError as exc:
-                raise ClusterScanError(f"node {node.name} ({base}): {exc}") from None
-            if response.status_code != 200:
-                message = error_text(response.read())
-                raise ClusterScanError(
-                    f"node {node.name} ({base}): HTTP {response.status_code}: {message}"
-                )
-            streams.append(ndjson_rows(response.iter_lines()))
-        rows = merge_rows(streams, desc, params.get("order") == "desc")
+            mine = frozenset(node.vbuckets)
+            asked = params
+            while True:
+                response = open_scan(node, asked)
+                said = response.headers.get(VBUCKETS_HEADER)
+                held = mine if said is None else frozenset(parse_vbuckets(said.split(","), num, ""))
+                if mine - held:
+                    raise ClusterMapMoved(
+                        f"node {node.name} no longer holds {len(mine - held)} of its vbuckets "
+                        "in the map (a rebalance moved them): read the map again"
+                    )
+                if held - mine and "limit" in asked:
+                    # Its first rows may be others' (it receives them too): read on past them.
+                    response.close()
+                    asked = {k: v for k, v in params.items() if k != "limit"}
+                    continue
+                break
+            rows = ndjson_rows(response.iter_lines())
+            if held - mine:  # only its own count here
+                rows = answered_for(rows, mine, num)
+            streams.append(rows)
+        merged = merge_rows(streams, desc, params.get("order") == "desc")
         limit = params.get("limit")
-        yield rows if limit is None else islice(rows, int(limit))
+        yield merged if limit is None else islice(merged, int(limit))

@@ -5,8 +5,10 @@ asked to handshake again, learn the new slice, and stream those vbuckets from se
 router reads its source log), so nothing of them is lost. When the map takes vbuckets away, the
 node writes what it had received, deletes the documents of those vbuckets from every index,
 forgets their seqnos (a later return starts from 0 again), persists, and refuses them from then
-on (NOT_MY_SLICE). During a move both nodes may briefly hold a vbucket, or neither; a merged scan
-is complete again once the new owner has caught up.
+on (NOT_MY_SLICE). A node receives the vbuckets moving to it in a rebalance (`building`) as its
+own; each snapshot records the vbuckets it holds, so a merged scan reads each vbucket from the
+node its map names and reads the map again when that node has given it up
+(indexer/cluster/moves.py).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class SliceWatch:
                     self.node,
                 )
                 return set()
-            return set(cluster.node(self.node).vbuckets)
+            return set(cluster.node(self.node).receives)
         except ClusterMapError as exc:
             log.error("%s; keeping this node's vbuckets", exc)
             return None
@@ -126,6 +128,10 @@ class SliceWatch:
             nonlocal deleted
             await timekeeper.drain_all()  # what was received for them is written first
             if removed:
+                # Snapshots from here on do not hold them (their documents are being deleted):
+                # a merged scan that asks for them reads the map again (cluster.map.scan_cluster).
+                for vb in removed:
+                    registry.owned[vb] = 0
                 n = len(registry.owned)
                 deleted = await trio.to_thread.run_sync(
                     delete_vbuckets, catalog.store, list(catalog.indexes), self.cache, removed, n

@@ -13,8 +13,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +27,9 @@ from indexer.cluster.map import (
     ClusterMap,
     ClusterMapError,
     ClusterMapFile,
+    ClusterMapMoved,
     cluster_map_from,
+    scan_cluster,
     vbucket_ranges,
 )
 
@@ -45,6 +49,8 @@ def map_document(cluster: ClusterMap) -> bytes:
         }
         if node.replica_of is None:
             table["vbuckets"] = vbucket_ranges(node.vbuckets)
+            if node.building:
+                table["building"] = vbucket_ranges(node.building)
         else:
             table["replica_of"] = node.replica_of
         nodes[node.name] = table
@@ -85,6 +91,8 @@ class EtcdMap:
             found, _ = self.client.get(self.key)
             now = None if found is None else self.parse(found.value)
             wanted = make(now)
+            if found is not None and wanted == now:  # nothing to change: no new revision
+                return wanted, found.mod_revision
             at = 0 if found is None else found.mod_revision
             if self.client.put_if(self.key, map_document(wanted), at):
                 written, _ = self.client.get(self.key)
@@ -204,6 +212,39 @@ def load_map(where: str | Path) -> ClusterMap:
     return map_source(where).load()
 
 
+MAP_MOVED_TRIES = 10  # a merged scan reads the map again at most this often while it moves
+
+
+@contextmanager
+def scan_the_cluster(
+    where: str | Path,
+    index: str,
+    params: dict[str, Any],
+    timeout: float,
+    *,
+    token: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+) -> Iterator[Iterator[dict[str, Any]]]:
+    """`scan_cluster` on the map at `where` as it is now, read again and scanned again while a
+    rebalance hands vbuckets over under it (ClusterMapMoved comes before any row)."""
+    for attempt in range(MAP_MOVED_TRIES):
+        cluster = load_map(where)
+        stack = ExitStack()
+        try:
+            rows = stack.enter_context(
+                scan_cluster(cluster, index, params, timeout, token=token, ssl_context=ssl_context)
+            )
+        except ClusterMapMoved:
+            stack.close()
+            if attempt == MAP_MOVED_TRIES - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+            continue
+        with stack:
+            yield rows
+        return
+
+
 async def keep_registered(
     location: EtcdLocation, name: str, said: dict[str, Any], ttl_s: int = NODE_TTL_S
 ) -> None:
@@ -258,3 +299,37 @@ def rebalanced(cluster: ClusterMap, names: Sequence[str]) -> ClusterMap:
         if (node.replica_of or node.name) in kept
     )
     return ClusterMap(num, nodes)
+
+
+def planned(cluster: ClusterMap, target: ClusterMap) -> ClusterMap:
+    """The first step of a move to `target`: every vbucket that changes owner is `building` on
+    its new owner, which receives it from the routers while the owner now still answers for it.
+    Nodes that `target` leaves out stay until the hand-over (`handed_over`)."""
+    wanted = {node.name: set(node.vbuckets) for node in target.active_nodes}
+    nodes = []
+    for node in cluster.nodes:
+        active = node.replica_of or node.name
+        gets = wanted.get(active, set()) - set(cluster.node(active).vbuckets)
+        nodes.append(dataclasses.replace(node, building=tuple(sorted(gets))))
+    return ClusterMap(cluster.num_vbuckets, tuple(nodes))
+
+
+def handed_over(cluster: ClusterMap, leaving: Sequence[str] = ()) -> ClusterMap:
+    """The last step of a move: each moving vbucket leaves its owner for the node that built it,
+    in one map; the active nodes `leaving` (with their replicas) go too, owning nothing now."""
+    moves = cluster.moves
+    owns = {
+        node.name: tuple(
+            sorted({vb for vb in node.vbuckets if vb not in moves} | set(node.building))
+        )
+        for node in cluster.active_nodes
+    }
+    for name in leaving:
+        if owns.get(name):
+            raise ClusterMapError(f"node {name} still owns {len(owns[name])} vbuckets")
+    nodes = tuple(
+        dataclasses.replace(node, vbuckets=owns[node.replica_of or node.name], building=())
+        for node in cluster.nodes
+        if (node.replica_of or node.name) not in leaving
+    )
+    return ClusterMap(cluster.num_vbuckets, nodes)

@@ -24,7 +24,15 @@ from indexer.aggregates import (
     decoded_values,
     parse_aggregates,
 )
-from indexer.client import NDJSON, NEXT_HEADER, RETRY_AFTER, SEQNO_SUM_HEADER, SNAPSHOT_HEADER
+from indexer.client import (
+    NDJSON,
+    NEXT_HEADER,
+    RETRY_AFTER,
+    SEQNO_SUM_HEADER,
+    SNAPSHOT_HEADER,
+    VBUCKETS_HEADER,
+)
+from indexer.cluster.map import vbucket_ranges
 from indexer.http.admin import AdminRoutes
 from indexer.http.wire import (
     ARROW,
@@ -256,6 +264,13 @@ def serving_cores() -> int:
         return os.cpu_count() or 1
 
 
+def held_ranges(snap: StabilitySnapshot) -> list[str]:
+    """The vbuckets whose documents the snapshot holds, as "first-last" ranges."""
+    if not snap.held:
+        return [f"0-{len(snap.timestamp.seqnos) - 1}"]
+    return vbucket_ranges([vb for vb, flag in enumerate(snap.held) if flag])
+
+
 class ScanRoutes(AdminRoutes):
     """Reads: scans and counts of a snapshot at a consistency, splits, and pinned snapshots."""
 
@@ -285,6 +300,7 @@ class ScanRoutes(AdminRoutes):
             "created_at": snap.created_at,
             "seqnos": list(snap.timestamp.seqnos),
             "vbuuids": list(snap.timestamp.vbuuids),
+            "vbuckets": held_ranges(snap),
         }
 
     def snapshot_list(self) -> dict[str, Any]:
@@ -482,6 +498,8 @@ class ScanRoutes(AdminRoutes):
                 SNAPSHOT_HEADER: str(snap.number),
                 SEQNO_SUM_HEADER: str(snap.timestamp.total),
             }
+            if snap.held:  # what a merged scan checks against the map it read
+                meta[VBUCKETS_HEADER] = ",".join(held_ranges(snap))
             if count_only:
                 n = snap.entry_counts.get(index.definition.name)
                 if n is None or bounds != KeyRange():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from indexer.cluster.map import parse_vbuckets
+from indexer.cluster.store import scan_the_cluster
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import INDEXES, indexer_command, model, wait_equal, write_jsonl
@@ -181,3 +183,127 @@ def test_bad_cluster_addresses_and_changes_fail_with_one_line(tmp_path: Path, et
         assert done.returncode == code, (args, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (args, done.stderr)
+
+
+def first_versions(documents: list[Document], seen: set[str]) -> list[Document]:
+    """Each document id once, in order, leaving out ids in `seen` (which it adds to): an
+    insert-only feed, so a vbucket's documents reach a node in the order they were written."""
+    fresh = []
+    for document in documents:
+        if document.docid not in seen and document.body is not None:
+            seen.add(document.docid)
+            fresh.append(document)
+    return fresh
+
+
+def check_scan_at_a_snapshot(
+    rows: list[dict[str, Any]], documents: list[Document], must: set[str], paths: list[str]
+) -> None:
+    """`rows` are an insert-only feed's index at some snapshot: no row twice, all of `must`,
+    and of every vbucket the documents written first (a seqno cut), with the model's keys."""
+    ids = [str(row["id"]) for row in rows]
+    assert len(ids) == len(set(ids)), "a row came twice"
+    present = set(ids)
+    indexed = {row["id"] for row in model(documents, paths)}
+    assert must & indexed <= present, f"{len(must & indexed - present)} documents missing"
+    by_vbucket: dict[int, list[str]] = {}
+    for document in documents:
+        if document.docid in indexed:
+            by_vbucket.setdefault(vbucket_of(document.docid.encode(), 1024), []).append(
+                document.docid
+            )
+    for vb, order in by_vbucket.items():
+        k = sum(1 for docid in order if docid in present)
+        assert set(order[:k]) == {d for d in order if d in present}, f"vbucket {vb} has a gap"
+    assert rows == model([d for d in documents if d.docid in present], paths)
+
+
+def test_a_rebalance_under_a_feed_hands_over_without_a_gap_in_merged_scans(
+    daemon_factory: Any, routers: Any, tmp_path: Path, etcd: Etcd
+) -> None:
+    url = etcd.url("indexer/moves")
+    a, b, c = daemon_factory(), daemon_factory(), daemon_factory()
+    start = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
+    assert cli("cluster", "init", "--cluster", url, "--from", str(start)).returncode == 0
+    seen: set[str] = set()
+    documents = first_versions(list(generate(Workload(8_000, 400_000, 0.0, 531))), seen)
+    jsonl = write_jsonl(tmp_path / "in.jsonl", documents)  # the feed: each id once
+    for name, daemon in (("a", a), ("b", b)):
+        daemon.args = ["--cluster", url, "--node", name]
+        daemon.start()
+    router = routers(
+        "--state", str(tmp_path / "state"), "--jsonl", str(jsonl), "--follow", "--cluster", url
+    )
+    for name, vbuckets in slices(url).items():
+        wait_equal({"a": a, "b": b}[name], owned(documents, vbuckets))
+    scan_equals_the_model(url, documents)
+    before = {d.docid for d in documents}
+    done = cli(
+        "cluster", "add-node", "--cluster", url, "c",
+        "--feed", c.address, "--http", f"127.0.0.1:{c.http_port}",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    c.args = ["--cluster", url, "--node", "c"]
+    stop = threading.Event()
+    failed: list[BaseException] = []
+    written: list[Document] = list(documents)
+    scans: list[tuple[float, list[dict[str, Any]], list[Document]]] = []
+
+    def feed() -> None:  # more documents while the vbuckets move
+        for round_ in range(40):
+            if stop.is_set():
+                return
+            more = first_versions(list(generate(Workload(300, 300_000, 0.0, 600 + round_))), seen)
+            written.extend(more)  # before the router can read them: a scan may show them
+            write_jsonl(jsonl, more, append=True)
+            time.sleep(0.25)
+
+    def scan_loop() -> None:
+        try:
+            while not stop.is_set():
+                params = {"consistency": "any"}  # each node's latest snapshot
+                with scan_the_cluster(url, "by_age", params, 60) as found:
+                    rows = list(found)
+                so_far = list(written)  # every row is one of these, written before it ended
+                scans.append((time.monotonic(), rows, so_far))
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=feed), threading.Thread(target=scan_loop)]
+    for thread in threads:
+        thread.start()
+    try:
+        # A rebalance plans the move and hands it over; another one meanwhile fails in a line.
+        first = subprocess.Popen(
+            indexer_command("cluster", "rebalance", "--cluster", url),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert first.stdout is not None
+        planned_line = first.stdout.readline()
+        moving_at = time.monotonic()
+        assert "take them over once caught up" in planned_line, first.communicate()
+        # c is not up yet, so the move waits for it: a second rebalance finds it in progress.
+        second = cli("cluster", "rebalance", "--cluster", url)
+        c.start()
+        out, err = first.communicate(timeout=180)
+        handed_at = time.monotonic()
+    finally:
+        time.sleep(1.0)  # a few scans after the hand-over too
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert not failed, failed
+    assert first.returncode == 0 and "c (341 vbuckets)" in out, (out, err)
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 1 and len(lines) == 1 and "in progress" in lines[0], second.stderr
+    during = [s for s in scans if moving_at <= s[0] <= handed_at + 1.0]
+    assert len(during) >= 3, len(scans)
+    for _, rows, so_far in scans:
+        check_scan_at_a_snapshot(rows, so_far, before, INDEXES["by_age"])
+    now = slices(url)
+    assert sorted(len(v) for v in now.values()) == [341, 341, 342]
+    assert status(url)["moves_in_progress"] == 0
+    for name, vbuckets in now.items():
+        wait_equal({"a": a, "b": b, "c": c}[name], owned(written, vbuckets))
+    scan_equals_the_model(url, written)
+    assert router.stop() == 0

@@ -25,7 +25,7 @@ from indexer.cluster.map import (
     parse_cluster_map,
     vbucket_ranges,
 )
-from indexer.cluster.store import map_document, rebalanced
+from indexer.cluster.store import handed_over, map_document, planned, rebalanced
 
 
 def test_a_cluster_address_names_its_endpoints_and_prefix() -> None:
@@ -131,3 +131,61 @@ replica_of = "a"
     ):
         with pytest.raises(ClusterMapError, match=message):
             parse_cluster_map(bad)
+
+
+def test_a_move_is_planned_as_building_then_handed_over_in_one_map() -> None:
+    before = ClusterMap(
+        1024,
+        (
+            node("a", range(512)),
+            node("b", range(512, 1024)),
+            node("c", ()),
+            node("a2", range(512), "a"),
+        ),
+    )
+    plan = planned(before, rebalanced(before, ["a", "b", "c"]))
+    # Nothing changes owner yet: c receives what it will own, a and b still answer for it.
+    assert [n.vbuckets for n in plan.active_nodes] == [n.vbuckets for n in before.active_nodes]
+    assert len(plan.node("c").building) == 341 and not plan.node("a").building
+    assert plan.node("c").receives == plan.node("c").building
+    assert set(plan.node("a").receives) == set(range(512))
+    assert {src for src, dst in plan.moves.values()} == {"a", "b"}
+    assert {dst for src, dst in plan.moves.values()} == {"c"}
+    assert cluster_map_from(json.loads(map_document(plan)), "etcd") == plan  # as etcd holds it
+    done = handed_over(plan)
+    assert not done.moves and not any(n.building for n in done.nodes)
+    assert sorted(len(n.vbuckets) for n in done.active_nodes) == [341, 341, 342]
+    assert done.node("a2").vbuckets == done.node("a").vbuckets  # the replica follows
+    assert sorted(vb for n in done.active_nodes for vb in n.vbuckets) == list(range(1024))
+    # remove-node: c's vbuckets built on a and b, then c leaves with the hand-over
+    leave = planned(done, rebalanced(done, ["a", "b"]))
+    assert {dst for _, dst in leave.moves.values()} == {"a", "b"}
+    with pytest.raises(ClusterMapError, match="still owns"):
+        handed_over(ClusterMap(1024, done.nodes), ["c"])
+    gone = handed_over(leave, ["c"])
+    assert "c" not in {n.name for n in gone.nodes}
+    assert sorted(vb for n in gone.active_nodes for vb in n.vbuckets) == list(range(1024))
+
+
+def test_a_bad_building_list_is_refused_with_its_key() -> None:
+    base = {"num_vbuckets": 4, "nodes": {
+        "a": {"feed": "h:1", "http": "h:2", "vbuckets": ["0-1"]},
+        "b": {"feed": "h:3", "http": "h:4", "vbuckets": ["2-3"]},
+    }}  # fmt: skip
+    for change, message in (
+        ({"a": {"building": ["1-2"]}}, "nodes.a.building: vbucket 1 is in its vbuckets"),
+        ({"a": {"building": [2]}, "b": {"building": []}}, None),
+        ({"a": {"building": [2]}, "c": {"building": [2]}}, "moving to nodes.a too"),
+        ({"r": {"replica_of": "a", "building": [3]}}, "nodes.r.building: a replica"),
+    ):
+        raw = json.loads(json.dumps(base))
+        for name, extra in change.items():
+            new = {"feed": "h:5", "http": "h:6"} | (
+                {} if "replica_of" in extra else {"vbuckets": []}
+            )
+            raw["nodes"].setdefault(name, new).update(extra)
+        if message is None:
+            assert cluster_map_from(raw, "m").moves == {2: ("b", "a")}
+        else:
+            with pytest.raises(ClusterMapError, match=message):
+                cluster_map_from(raw, "m")
