@@ -124,10 +124,12 @@ class Mover:
         revision that was compared."""
         import httpx
 
+        from indexer.client import bearer
+
         deadline = time.monotonic() + self.timeout_s
         said_at = time.monotonic()
         verify: ssl.SSLContext | bool = self.ssl_context if self.ssl_context is not None else True
-        headers = {} if self.token is None else {"authorization": f"Bearer {self.token}"}
+        headers = bearer(self.token)
         tls = self.ssl_context is not None
         with httpx.Client(timeout=10, headers=headers, verify=verify) as client:
             while True:

@@ -43,6 +43,13 @@ def status(url: str) -> dict[str, Any]:
     return found
 
 
+def add_node(url: str, name: str, daemon: Any, *extra: str) -> None:
+    """`indexer cluster add-node` of a daemon under `name`, at its addresses."""
+    args = ["--feed", daemon.address, "--http", f"127.0.0.1:{daemon.http_port}"]
+    done = cli("cluster", "add-node", "--cluster", url, name, *extra, *args)
+    assert done.returncode == 0, done.stderr
+
+
 def owned(documents: list[Document], vbuckets: set[int]) -> list[Document]:
     return [d for d in documents if vbucket_of(d.docid.encode(), 1024) in vbuckets]
 
@@ -102,11 +109,7 @@ def test_a_cluster_in_etcd_routes_scans_and_rebalances_onto_a_new_node(
     }
     # A third node, added with nothing, then given its share: the nodes and the router follow
     # the map's watch while documents keep coming.
-    done = cli(
-        "cluster", "add-node", "--cluster", url, "c",
-        "--feed", c.address, "--http", f"127.0.0.1:{c.http_port}",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    add_node(url, "c", c)
     c.args = ["--cluster", url, "--node", "c"]
     c.start()
     done = cli("cluster", "rebalance", "--cluster", url)
@@ -135,11 +138,7 @@ def test_a_killed_node_fails_over_to_its_replica_losing_nothing(
     a, b, a2 = (daemon_factory(server={"cluster_lease_s": 2}) for _ in range(3))
     start = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
     assert cli("cluster", "init", "--cluster", url, "--from", str(start)).returncode == 0
-    done = cli(
-        "cluster", "add-node", "--cluster", url, "a2", "--replica-of", "a",
-        "--feed", a2.address, "--http", f"127.0.0.1:{a2.http_port}",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    add_node(url, "a2", a2, "--replica-of", "a")
     documents, jsonl, router = serve_and_route(
         url, {"a": a, "b": b, "a2": a2}, routers, tmp_path, Workload(6_000, 2_000, 0.1, 521)
     )
@@ -238,11 +237,7 @@ def test_a_rebalance_under_a_feed_hands_over_without_a_gap_in_merged_scans(
         wait_equal({"a": a, "b": b}[name], owned(documents, vbuckets))
     scan_equals_the_model(url, documents)
     before = {d.docid for d in documents}
-    done = cli(
-        "cluster", "add-node", "--cluster", url, "c",
-        "--feed", c.address, "--http", f"127.0.0.1:{c.http_port}",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    add_node(url, "c", c)
     c.args = ["--cluster", url, "--node", "c"]
     stop = threading.Event()
     failed: list[BaseException] = []
