@@ -24,6 +24,7 @@ RETRY_AFTER = "retry-after"
 SNAPSHOT_HEADER = "x-indexer-snapshot"  # the snapshot a scan read
 SEQNO_SUM_HEADER = "x-indexer-seqno-sum"  # and the sum of its seqnos
 VBUCKETS_HEADER = "x-indexer-vbuckets"  # the vbuckets whose documents it holds, as ranges
+ACTIVE_HEADER = "x-indexer-active"  # in a cluster in etcd: those it is the active node of
 NEXT_HEADER = "x-indexer-next"  # a full page's continuation token (pass it as next=)
 JSON = "application/json"
 IDEMPOTENT = ("GET", "HEAD", "PUT", "DELETE")  # sent again once if the server closed unanswered

@@ -25,6 +25,7 @@ from indexer.catalog import IndexCatalog
 from indexer.changes import ChangeHistory
 from indexer.cluster.failover import watch_for_failover
 from indexer.cluster.slices import SliceWatch
+from indexer.cluster.standing import ClusterStanding
 from indexer.cluster.store import EtcdMapSource, keep_registered
 from indexer.collector import freeze_long_lived, rare_collections
 from indexer.compaction import Compactor
@@ -303,11 +304,19 @@ async def serve(
                     if isinstance(watch.source, EtcdMapSource):  # the node says it is alive
                         said = {"feed": f"{server.host}:{server.feed_port}", "http_port": http_port}
                         location, lease_s = watch.source.location, server.cluster_lease_s
+                        standing = ClusterStanding(server.cluster_node, lease_s)
+                        watch.standing = view.standing = standing
                         services.start_soon(
-                            keep_registered, location, server.cluster_node, said, lease_s
+                            keep_registered, location, server.cluster_node, said, lease_s, standing
                         )
+                        security = config.security
                         services.start_soon(
-                            watch_for_failover, location, server.cluster_node, lease_s
+                            watch_for_failover,
+                            location,
+                            server.cluster_node,
+                            lease_s,
+                            security.token,
+                            security.client_ssl_context(),
                         )
                 async with trio.open_nursery() as keeping:
                     keeping.start_soon(timekeeper.run)

@@ -96,12 +96,13 @@ def init(where: str, from_file: Path) -> None:
 @click.option(
     "--replica-of",
     metavar="NAME",
-    help="A replica of this active node: it holds the same vbuckets (streamed to it by the "
-    "routers), and takes them over if that node's lease expires.",
+    help="Hold every vbucket this node is active for as a replica (streamed to it by the "
+    "routers), to take them over if that node's lease expires. `rebalance --replicas N` "
+    "places replicas evenly instead.",
 )
 def add_node(where: str, name: str, feed: str, http: str, replica_of: str | None) -> None:
-    """Add a node: an active one that owns nothing yet (`rebalance` gives it its share), or a
-    replica of an active node.
+    """Add a node: it owns nothing yet (`rebalance` gives it its share of active vbuckets and
+    replicas), or with --replica-of it holds another node's vbuckets as a replica.
 
     Examples:
 
@@ -115,7 +116,7 @@ def add_node(where: str, name: str, feed: str, http: str, replica_of: str | None
     if not NODE_NAME.match(name):
         fail(f"{name!r}: a node name is a letter then letters, digits, _ or -", 2)
     try:
-        node = ClusterNode(name, _address(feed, "--feed"), _address(http, "--http"), (), replica_of)
+        node = ClusterNode(name, _address(feed, "--feed"), _address(http, "--http"), ())
     except ClusterMapError as exc:
         fail(str(exc), 2)
 
@@ -126,11 +127,8 @@ def add_node(where: str, name: str, feed: str, http: str, replica_of: str | None
             raise ClusterMapError(f"{where}: node {name!r} is in the map already")
         added = node
         if replica_of is not None:
-            active = now.node(replica_of)
-            if active.replica_of is not None:
-                raise ClusterMapError(f"{where}: {replica_of!r} is a replica itself")
-            added = dataclasses.replace(node, vbuckets=active.vbuckets)
-        return type(now)(now.num_vbuckets, (*now.nodes, added))
+            added = dataclasses.replace(node, replicas=now.node(replica_of).vbuckets)
+        return dataclasses.replace(now, nodes=(*now.nodes, added))
 
     _change(where, make)
 
@@ -178,8 +176,8 @@ def _moved(where: str, run: Any) -> None:
 @click.argument("name")
 @_move_options
 def remove_node(where: str, name: str, timeout: float, config_file: Path | None) -> None:
-    """Remove a node: an active one's vbuckets move to the other active nodes, as evenly as it
-    goes, and it leaves (with its replicas) once they have caught up; a replica just leaves.
+    """Remove a node: its active vbuckets move to the other nodes, as evenly as it goes, its
+    replicas are placed on them again, and it leaves once they have caught up.
 
     Examples:
 
@@ -190,12 +188,11 @@ def remove_node(where: str, name: str, timeout: float, config_file: Path | None)
     from indexer.cluster.store import rebalanced
 
     def make(now: ClusterMap) -> ClusterMap:
-        if now.node(name).replica_of is not None:  # one line if it is not there
-            return ClusterMap(now.num_vbuckets, tuple(n for n in now.nodes if n.name != name))
-        others = [n.name for n in now.active_nodes if n.name != name]
+        now.node(name)  # one line if it is not there
+        others = [n.name for n in now.nodes if n.name != name]
         if not others:
             raise ClusterMapError(f"{where}: {name!r} is the last node; the cluster needs one")
-        return rebalanced(now, others)
+        return rebalanced(now, others, min(now.num_replicas, len(others) - 1))
 
     mover = _mover(where, timeout, config_file)
     _moved(where, lambda: mover.start(make, leaving=[name]))
@@ -206,23 +203,37 @@ def remove_node(where: str, name: str, timeout: float, config_file: Path | None)
 @_move_options
 @click.option("--resume", is_flag=True, help="Wait for a rebalance in progress and finish it.")
 @click.option("--abort", is_flag=True, help="Drop a rebalance in progress: nothing moves.")
+@click.option(
+    "--replicas",
+    type=click.IntRange(0),
+    help="Replicas of each vbucket, each on another node than its active one (default: as "
+    "many as the map has now).",
+)
 def rebalance(
-    where: str, timeout: float, config_file: Path | None, resume: bool, abort: bool
+    where: str,
+    timeout: float,
+    config_file: Path | None,
+    resume: bool,
+    abort: bool,
+    replicas: int | None,
 ) -> None:
-    """Share the vbuckets evenly among the active nodes, moving as few as it can, without a
-    gap: each moving vbucket is built on its new owner from the routers' logs while its owner
-    still answers, and all are handed over in one transaction once caught up.
+    """Share the vbuckets and their replicas evenly among the nodes, moving as few as it can,
+    without a gap: each vbucket that changes its active node is built on the new one from the
+    routers' logs while the old one still answers, and all are handed over in one transaction
+    once caught up.
 
     Examples:
 
     \b
-      indexer cluster rebalance --cluster etcd://127.0.0.1:2379/indexer
+      indexer cluster rebalance --cluster etcd://127.0.0.1:2379/indexer --replicas 1
     """
     from indexer.cluster.map import ClusterMap
     from indexer.cluster.store import rebalanced
 
     if resume and abort:
         fail("--resume or --abort: one of the two", 2)
+    if replicas is not None and (resume or abort):
+        fail("--replicas goes with a new rebalance, not --resume or --abort", 2)
     mover = _mover(where, timeout, config_file)
     if abort:
         _moved(where, mover.abort)
@@ -231,7 +242,7 @@ def rebalance(
     else:
 
         def make(now: ClusterMap) -> ClusterMap:
-            return rebalanced(now, [n.name for n in now.active_nodes])
+            return rebalanced(now, [n.name for n in now.nodes], replicas)
 
         _moved(where, lambda: mover.start(make))
 
@@ -265,7 +276,9 @@ def status(where: str, as_json: bool) -> None:
             "vbucket_ranges": vbucket_ranges(node.vbuckets),
             "building": len(node.building),
             "building_ranges": vbucket_ranges(node.building),
-            "role": "active" if node.replica_of is None else f"replica of {node.replica_of}",
+            "replicas": len(node.replicas),
+            "replica_ranges": vbucket_ranges(node.replicas),
+            "role": node.role,
             "alive": node.name in members,
             "lease_ttl_s": members.get(node.name, {}).get("lease_ttl_s"),
         }
@@ -277,20 +290,25 @@ def status(where: str, as_json: bool) -> None:
             "cluster": where,
             "revision": revision,
             "num_vbuckets": found.num_vbuckets,
+            "num_replicas": found.num_replicas,
             "nodes": nodes,
             "moves_in_progress": len(found.moves),
             "registered_outside_the_map": strangers,
         }
         click.echo(json.dumps(answer, indent=2))
         return
-    click.echo(f"{where}: map revision {revision}, {found.num_vbuckets} vbuckets")
+    click.echo(
+        f"{where}: map revision {revision}, {found.num_vbuckets} vbuckets, "
+        f"{found.num_replicas} replicas of each"
+    )
     if found.moves:
         click.echo(f"  a rebalance is in progress: {len(found.moves)} vbuckets moving")
     for name, node in nodes.items():
         building = f", building {node['building']}" if node["building"] else ""
         state = f"alive (lease {node['lease_ttl_s']} s)" if node["alive"] else "not registered"
         click.echo(
-            f"  {name}: {node['role']}, {node['vbuckets']} vbuckets{building}, "
+            f"  {name}: {node['role']}, {node['vbuckets']} vbuckets active, "
+            f"{node['replicas']} replicas{building}, "
             f"feed {node['feed']}, http {node['http']}, {state}"
         )
     for name in strangers:

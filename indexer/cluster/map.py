@@ -12,9 +12,12 @@ A map is a TOML file:
     http = "127.0.0.1:9202"
     vbuckets = ["512-1023"]
 
-Every vbucket belongs to exactly one active node. A node with `replica_of = "a"` (and no
-`vbuckets`) is a replica of node a: it holds a's vbuckets, and scans read the active nodes
-only. During a rebalance a node's `building` vbuckets are moving to it: it receives them from
+Every vbucket belongs to exactly one active node, and to `num_replicas` replicas on other nodes
+(`replicas = [...]` on each node: the vbuckets it holds as a replica). A replica receives its
+vbuckets from the routers as the active node does, with its own store, snapshots and history;
+scans read each vbucket from its active node only, and a failover makes a replica active. A node
+with `replica_of = "a"` (and no `vbuckets`) is shorthand for a replica of all of node a's
+vbuckets. During a rebalance a node's `building` vbuckets are moving to it: it receives them from
 the routers while their owner still answers for them, and the rebalance hands them over once it
 has caught up. `indexer serve --cluster-map F --node a` takes its slice and ports from it, `indexer
 router --cluster-map F` streams to every node (each gets only its vbuckets), and `indexer scan
@@ -57,17 +60,25 @@ class ClusterNode:
     name: str
     feed: tuple[str, int]
     http: tuple[str, int]
-    vbuckets: tuple[int, ...]
-    # A replica holds the vbuckets of the active node it names, streamed by the routers as to
-    # that node, with its own store, snapshots and history; scans read the active nodes only.
-    replica_of: str | None = None
+    vbuckets: tuple[int, ...]  # those it is the active node of: scans read them here
     # Vbuckets moving to this node in a rebalance: received, not yet answered for.
     building: tuple[int, ...] = ()
+    # Vbuckets it holds as a replica: received as the active node receives them, with its own
+    # store, snapshots and history, and made active by a failover; scans do not read them here.
+    replicas: tuple[int, ...] = ()
 
     @property
     def receives(self) -> tuple[int, ...]:
-        """What the routers stream to this node: its vbuckets and those moving to it."""
-        return tuple(sorted({*self.vbuckets, *self.building}))
+        """What the routers stream to this node: its vbuckets, its replicas and those moving
+        to it."""
+        return tuple(sorted({*self.vbuckets, *self.building, *self.replicas}))
+
+    @property
+    def role(self) -> str:
+        """How `cluster status` names it: active, replica, both, or empty."""
+        if self.vbuckets:
+            return "active+replica" if self.replicas else "active"
+        return "replica" if self.replicas else "empty"
 
     @property
     def feed_address(self) -> str:
@@ -86,23 +97,22 @@ class ClusterNode:
 class ClusterMap:
     num_vbuckets: int
     nodes: tuple[ClusterNode, ...]
+    # How many replicas of each vbucket a rebalance places (on nodes other than its active one).
+    num_replicas: int = 0
 
     @property
     def active_nodes(self) -> tuple[ClusterNode, ...]:
-        """The nodes scans and change feeds read: every vbucket's one active owner."""
-        return tuple(n for n in self.nodes if n.replica_of is None)
+        """The nodes scans and change feeds read: those that are some vbucket's active owner."""
+        return tuple(n for n in self.nodes if n.vbuckets)
 
     @property
     def moves(self) -> dict[int, tuple[str, str]]:
         """The moves of a rebalance in progress: vbucket -> (its owner now, the node it goes to)."""
-        return {
-            vb: (self.owner(vb).name, node.name)
-            for node in self.active_nodes
-            for vb in node.building
-        }
+        return {vb: (self.owner(vb).name, node.name) for node in self.nodes for vb in node.building}
 
-    def replicas_of(self, name: str) -> tuple[ClusterNode, ...]:
-        return tuple(n for n in self.nodes if n.replica_of == name)
+    def replica_holders(self, vbucket: int) -> tuple[ClusterNode, ...]:
+        """The nodes that hold `vbucket` as a replica."""
+        return tuple(n for n in self.nodes if vbucket in n.replicas)
 
     def node(self, name: str) -> ClusterNode:
         for node in self.nodes:
@@ -173,7 +183,7 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
     """A map from its tables (a file's TOML, or the JSON etcd holds), checked."""
     if not isinstance(raw, dict):
         raise ClusterMapError(f"{source}: the map is a table of num_vbuckets and nodes")
-    unknown = set(raw) - {"num_vbuckets", "nodes"}
+    unknown = set(raw) - {"num_vbuckets", "num_replicas", "nodes"}
     if unknown:
         raise ClusterMapError(f"{source}: {sorted(unknown)[0]}: unknown key")
     num = raw.get("num_vbuckets", 1024)
@@ -185,20 +195,21 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
     nodes = []
     owner: dict[int, str] = {}
     builder: dict[int, str] = {}  # vbucket -> the node it moves to
+    whole_node: dict[str, str] = {}  # a replica of all of a node's vbuckets -> that node
     for name, table in tables.items():
         key = f"{source}: nodes.{name}"
         if not NODE_NAME.match(name):
             raise ClusterMapError(f"{key}: a node name is a letter then letters, digits, _ or -")
         if not isinstance(table, dict):
             raise ClusterMapError(f"{key}: must be a table")
-        extra = set(table) - {"feed", "http", "vbuckets", "replica_of", "building"}
+        extra = set(table) - {"feed", "http", "vbuckets", "replica_of", "building", "replicas"}
         if extra:
             raise ClusterMapError(f"{key}.{sorted(extra)[0]}: unknown key")
         replica_of = table.get("replica_of")
         if replica_of is not None:
             if not isinstance(replica_of, str) or replica_of not in tables or replica_of == name:
                 raise ClusterMapError(f"{key}.replica_of: {replica_of!r} is not another node")
-            for held in ("vbuckets", "building"):
+            for held in ("vbuckets", "building", "replicas"):
                 if held in table:
                     raise ClusterMapError(
                         f"{key}.{held}: a replica holds the vbuckets of nodes.{replica_of}"
@@ -213,7 +224,7 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
             if table["vbuckets"] == []
             else parse_vbuckets(table["vbuckets"], num, f"{key}.vbuckets")
         )
-        for vb in vbuckets if replica_of is None else ():
+        for vb in vbuckets:
             if vb in owner:
                 raise ClusterMapError(
                     f"{key}.vbuckets: vbucket {vb} is also in nodes.{owner[vb]}.vbuckets"
@@ -231,32 +242,52 @@ def cluster_map_from(raw: Any, source: str) -> ClusterMap:
                         f"{key}.building: vbucket {vb} is moving to nodes.{builder[vb]} too"
                     )
                 builder[vb] = name
+        replicas: tuple[int, ...] = ()
+        if table.get("replicas", []) != []:
+            replicas = parse_vbuckets(table["replicas"], num, f"{key}.replicas")
+            if set(replicas) & set(vbuckets):
+                both = min(set(replicas) & set(vbuckets))
+                raise ClusterMapError(
+                    f"{key}.replicas: vbucket {both} is in its vbuckets: a replica is on "
+                    "another node than the active one"
+                )
+        if replica_of is not None:
+            whole_node[name] = replica_of
         nodes.append(
             ClusterNode(
                 name,
                 _address(table["feed"], f"{key}.feed"),
                 _address(table["http"], f"{key}.http"),
                 vbuckets,
-                replica_of,
                 building,
+                replicas,
             )
         )
-    by_name = {node.name: node for node in nodes}
     for i, node in enumerate(nodes):
-        if node.replica_of is not None:
-            active = by_name[node.replica_of]
-            if active.replica_of is not None:
+        if node.name in whole_node:
+            active = whole_node[node.name]
+            if active in whole_node:
                 raise ClusterMapError(
-                    f"{source}: nodes.{node.name}.replica_of: nodes.{active.name} is a replica "
-                    "itself"
+                    f"{source}: nodes.{node.name}.replica_of: nodes.{active} is a replica itself"
                 )
-            nodes[i] = dataclasses.replace(node, vbuckets=active.vbuckets, building=active.building)
+            whole = next(n for n in nodes if n.name == active)
+            nodes[i] = dataclasses.replace(node, replicas=whole.vbuckets)
     missing = [vb for vb in range(num) if vb not in owner]
     if missing:
         raise ClusterMapError(
             f"{source}: {len(missing)} vbuckets have no node (the first: {missing[0]})"
         )
-    return ClusterMap(num, tuple(nodes))
+    counts = [0] * num
+    for node in nodes:
+        for vb in node.replicas:
+            counts[vb] += 1
+    wanted = raw.get("num_replicas", max(counts))
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or not 0 <= wanted < len(nodes):
+        raise ClusterMapError(
+            f"{source}: num_replicas: a whole number from 0 to {len(nodes) - 1} (one less than "
+            "the nodes: each replica is on another node)"
+        )
+    return ClusterMap(num, tuple(nodes), wanted)
 
 
 def load_cluster_map(path: Path) -> ClusterMap:
@@ -323,6 +354,11 @@ class ClusterMapMoved(ClusterScanError):
     read the map again and scan again. Raised before any row."""
 
 
+class ClusterNodeDown(ClusterScanError):
+    """A node did not answer, or answered that it cannot now (503: fenced, short of memory):
+    in a cluster that fails over, read the map again and scan again. Raised before any row."""
+
+
 def answered_for(
     rows: Iterator[dict[str, Any]], vbuckets: frozenset[int], num_vbuckets: int
 ) -> Iterator[dict[str, Any]]:
@@ -357,7 +393,7 @@ def scan_cluster(
     """
     import httpx
 
-    from indexer.client import VBUCKETS_HEADER, bearer, error_text
+    from indexer.client import ACTIVE_HEADER, VBUCKETS_HEADER, bearer, error_text
 
     headers = bearer(token)
     verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
@@ -375,12 +411,11 @@ def scan_cluster(
             try:
                 response = stack.enter_context(client.stream("GET", url, params=asked))
             except httpx.HTTPError as exc:
-                raise ClusterScanError(f"node {node.name} ({base}): {exc}") from None
+                raise ClusterNodeDown(f"node {node.name} ({base}): {exc}") from None
             if response.status_code != 200:
                 message = error_text(response.read())
-                raise ClusterScanError(
-                    f"node {node.name} ({base}): HTTP {response.status_code}: {message}"
-                )
+                error = ClusterNodeDown if response.status_code == 503 else ClusterScanError
+                raise error(f"node {node.name} ({base}): HTTP {response.status_code}: {message}")
             return response
 
         for node in cluster.active_nodes:
@@ -391,7 +426,7 @@ def scan_cluster(
                 try:
                     described = client.get(base + index_path(index))
                 except httpx.HTTPError as exc:
-                    raise ClusterScanError(f"node {node.name} ({base}): {exc}") from None
+                    raise ClusterNodeDown(f"node {node.name} ({base}): {exc}") from None
                 if described.status_code == 200:
                     desc = tuple(k.endswith(" DESC") for k in described.json().get("keys", ()))
             mine = frozenset(node.vbuckets)
@@ -405,6 +440,16 @@ def scan_cluster(
                         f"node {node.name} no longer holds {len(mine - held)} of its vbuckets "
                         "in the map (a rebalance moved them): read the map again"
                     )
+                active = response.headers.get(ACTIVE_HEADER)
+                if active is not None:
+                    answers = frozenset(
+                        parse_vbuckets(active.split(","), num, "") if active else frozenset()
+                    )
+                    if mine - answers:
+                        raise ClusterMapMoved(
+                            f"node {node.name} is no longer active for {len(mine - answers)} of "
+                            "its vbuckets in the map (a failover moved them): read the map again"
+                        )
                 if held - mine and "limit" in asked:
                     # Its first rows may be others' (it receives them too): read on past them.
                     response.close()

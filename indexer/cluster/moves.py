@@ -115,7 +115,7 @@ class Mover:
             if now is None or not now.moves:
                 raise ClusterMapError(f"{self.etcd_map.location}: no rebalance in progress")
             nodes = tuple(dataclasses.replace(n, building=()) for n in now.nodes)
-            return ClusterMap(now.num_vbuckets, nodes)
+            return dataclasses.replace(now, nodes=nodes)
 
         return self.etcd_map.change(drop)
 

@@ -23,6 +23,7 @@ import trio
 
 from indexer.catalog import IndexCatalog
 from indexer.cluster.map import ClusterMapError
+from indexer.cluster.standing import ClusterStanding
 from indexer.cluster.store import map_source
 from indexer.keys import entry_tail
 from indexer.protocol import ErrorCode
@@ -64,7 +65,8 @@ def delete_vbuckets(
 
 
 class SliceWatch:
-    """Re-reads the cluster map and applies changes of this node's slice (see module doc)."""
+    """Re-reads the cluster map and applies changes of this node's slice (see module doc);
+    tells `standing` what the map makes this node active for."""
 
     def __init__(
         self,
@@ -72,46 +74,81 @@ class SliceWatch:
         node: str,
         catalog: IndexCatalog,
         cache: BackIndexCache,
+        standing: ClusterStanding | None = None,
     ) -> None:
         self.source = map_source(where)
         self.node = node
         self.catalog = catalog
         self.cache = cache
+        self.standing = standing
         self.changes = 0
 
     def _owned(self) -> set[int]:
         registry = self.catalog.reader.registry
         return {vb for vb, flag in enumerate(registry.owned) if flag}
 
-    def _read(self) -> set[int] | None:
-        """This node's vbuckets in the map if it changed, else None (errors logged).
-        Blocking (etcd is asked over HTTP): in a thread."""
+    def _read(self, force: bool = False) -> tuple[set[int], frozenset[int]] | None:
+        """What this node receives and what it is active for in the map, if it changed (or
+        `force`), else None (errors logged). Blocking (etcd is asked over HTTP): in a thread."""
         try:
-            cluster = self.source.changed()
+            cluster = self.source.changed(force)
             if cluster is None:
                 return None
             if cluster.num_vbuckets != len(self.catalog.reader.registry.owned):
                 raise ClusterMapError(f"{self.source}: num_vbuckets changed")
             if all(n.name != self.node for n in cluster.nodes):
-                # Removed from the map (a failover replaced it): fenced, it owns nothing.
+                # Removed from the map: it owns nothing.
                 log.warning(
                     "%s: node %s is no longer in the map: it owns nothing now",
                     self.source,
                     self.node,
                 )
-                return set()
-            return set(cluster.node(self.node).receives)
+                return set(), frozenset()
+            me = cluster.node(self.node)
+            return set(me.receives), frozenset(me.vbuckets)
         except ClusterMapError as exc:
             log.error("%s; keeping this node's vbuckets", exc)
             return None
 
     async def run(self) -> None:
-        await trio.to_thread.run_sync(self._read)  # the map as the node started with it
+        await self._follow(True, first=True)  # the map the node started with
         while True:
+            reread = await self._wait()
+            await self._follow(reread)
+
+    async def _follow(self, force: bool, first: bool = False) -> None:
+        read_at = time.monotonic()
+        found = await trio.to_thread.run_sync(self._read, force)
+        if found is None:
+            return
+        wanted, active = found
+        if wanted != self._owned() and not first:
+            await self.apply(wanted)
+        if self.standing is not None:
+            self.standing.map_read(active, read_at)
+
+    async def _wait(self) -> bool:
+        """Until the map changes, MAP_WAIT_S pass, or the standing asks for a read (True)."""
+        standing = self.standing
+        if standing is None:
             await self.source.wait_change(MAP_WAIT_S)
-            wanted = await trio.to_thread.run_sync(self._read)
-            if wanted is not None and wanted != self._owned():
-                await self.apply(wanted)
+            return False
+        asked = False
+        async with trio.open_nursery() as race:
+
+            async def change() -> None:
+                await self.source.wait_change(MAP_WAIT_S)
+                race.cancel_scope.cancel()
+
+            async def reread() -> None:
+                nonlocal asked
+                await standing.reread.wait()
+                asked = True
+                race.cancel_scope.cancel()
+
+            race.start_soon(change)
+            race.start_soon(reread)
+        return asked
 
     async def apply(self, wanted: set[int]) -> None:
         """Own exactly `wanted` from now on."""

@@ -28,10 +28,12 @@ from indexer.cluster.map import (
     ClusterMapError,
     ClusterMapFile,
     ClusterMapMoved,
+    ClusterNodeDown,
     cluster_map_from,
     scan_cluster,
     vbucket_ranges,
 )
+from indexer.cluster.standing import ClusterStanding
 
 log = logging.getLogger("indexer.cluster")
 MAP_POLL_S = 2.0  # how often a map file is looked at again
@@ -47,14 +49,18 @@ def map_document(cluster: ClusterMap) -> bytes:
             "feed": node.feed_address,
             "http": f"{node.http[0]}:{node.http[1]}",
         }
-        if node.replica_of is None:
-            table["vbuckets"] = vbucket_ranges(node.vbuckets)
-            if node.building:
-                table["building"] = vbucket_ranges(node.building)
-        else:
-            table["replica_of"] = node.replica_of
+        table["vbuckets"] = vbucket_ranges(node.vbuckets)
+        if node.building:
+            table["building"] = vbucket_ranges(node.building)
+        if node.replicas:
+            table["replicas"] = vbucket_ranges(node.replicas)
         nodes[node.name] = table
-    return json.dumps({"num_vbuckets": cluster.num_vbuckets, "nodes": nodes}).encode()
+    document = {
+        "num_vbuckets": cluster.num_vbuckets,
+        "num_replicas": cluster.num_replicas,
+        "nodes": nodes,
+    }
+    return json.dumps(document).encode()
 
 
 class EtcdMap:
@@ -224,10 +230,17 @@ def scan_the_cluster(
     *,
     token: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    failover_wait_s: float | None = None,
 ) -> Iterator[Iterator[dict[str, Any]]]:
     """`scan_cluster` on the map at `where` as it is now, read again and scanned again while a
-    rebalance hands vbuckets over under it (ClusterMapMoved comes before any row)."""
-    for attempt in range(MAP_MOVED_TRIES):
+    rebalance hands vbuckets over under it (ClusterMapMoved comes before any row). In a cluster
+    in etcd a node that does not answer is waited for until its replicas take over, for at most
+    `failover_wait_s` (default: twice the lease's TTL and 5 s); a map file has no failover."""
+    if failover_wait_s is None:
+        failover_wait_s = 2 * NODE_TTL_S + 5 if str(where).startswith("etcd:") else 0.0
+    deadline = time.monotonic() + failover_wait_s
+    attempt = 0
+    while True:
         cluster = load_map(where)
         stack = ExitStack()
         try:
@@ -236,9 +249,16 @@ def scan_the_cluster(
             )
         except ClusterMapMoved:
             stack.close()
-            if attempt == MAP_MOVED_TRIES - 1:
+            attempt += 1
+            if attempt == MAP_MOVED_TRIES:
                 raise
-            time.sleep(0.1 * (attempt + 1))
+            time.sleep(0.1 * attempt)
+            continue
+        except ClusterNodeDown:
+            stack.close()
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
             continue
         with stack:
             yield rows
@@ -246,24 +266,47 @@ def scan_the_cluster(
 
 
 async def keep_registered(
-    location: EtcdLocation, name: str, said: dict[str, Any], ttl_s: int = NODE_TTL_S
+    location: EtcdLocation,
+    name: str,
+    said: dict[str, Any],
+    ttl_s: int = NODE_TTL_S,
+    standing: ClusterStanding | None = None,
 ) -> None:
     """Register node `name` under a lease and keep it alive until cancelled (then revoke it:
-    a node stopped cleanly leaves at once). etcd unreachable: logged, and tried again."""
+    a node stopped cleanly leaves at once). etcd unreachable: logged, and tried again. What it
+    learns of the lease goes to `standing` (indexer/cluster/standing.py)."""
     client = EtcdClient(location)
     key = location.key("nodes", name)
-    lease = 0
+    lease, registered = 0, False
     try:
         while True:
             try:
-                if lease == 0 or await trio.to_thread.run_sync(client.keep_alive, lease) <= 0:
+                left = 0 if lease == 0 else await trio.to_thread.run_sync(client.keep_alive, lease)
+                if left <= 0:
+                    if lease != 0 and standing is not None:
+                        standing.lost()
+                        log.warning(
+                            "node %s's lease in %s ran out: it answers no read until it has "
+                            "registered again and read the map",
+                            name,
+                            location,
+                        )
+                    lease, registered = 0, False
                     lease = await trio.to_thread.run_sync(client.grant, ttl_s)
+                if not registered:
                     body = json.dumps({**said, "registered_at": time.time()}).encode()
                     await trio.to_thread.run_sync(client.put, key, body, lease)
+                    registered = True
                     log.info("registered as node %s in %s (lease %d s)", name, location, ttl_s)
+                    if standing is not None:
+                        standing.registered_again()
+                elif standing is not None:
+                    standing.kept_alive()
             except EtcdError as exc:
-                log.warning("%s; registering again in %d s", exc, max(1, ttl_s // 3))
-                lease = 0
+                if standing is not None:
+                    standing.tried()
+                # The lease is kept: once etcd answers, it says whether the lease outlived this.
+                log.warning("%s; trying again in %d s", exc, max(1, ttl_s // 3))
             await trio.sleep(max(1, ttl_s // 3))
     finally:
         if lease:
@@ -273,63 +316,161 @@ async def keep_registered(
         client.close()
 
 
-def rebalanced(cluster: ClusterMap, names: Sequence[str]) -> ClusterMap:
-    """The map with every vbucket owned by one of the active nodes `names` (the other active
-    nodes leave it, with their replicas), as evenly as it goes, moving as few as it can: each
-    node keeps what it has up to its share, the rest go to those below theirs. Replicas hold
-    what their active node holds."""
+def rebalanced(
+    cluster: ClusterMap, names: Sequence[str], num_replicas: int | None = None
+) -> ClusterMap:
+    """The map with every vbucket active on one of the nodes `names` and held as a replica by
+    `num_replicas` others of them (default: the map's number), as evenly as it goes, moving as
+    few as it can: each node keeps what it has up to its share, the rest go to those below
+    theirs. The other nodes leave the map."""
     num = cluster.num_vbuckets
+    wanted_replicas = cluster.num_replicas if num_replicas is None else num_replicas
+    if not 0 <= wanted_replicas < len(names):
+        raise ClusterMapError(
+            f"{wanted_replicas} replicas of each vbucket need {wanted_replicas + 1} nodes; "
+            f"the map has {len(names)}"
+        )
+    order = sorted(names)
     share, extra = divmod(num, len(names))
-    targets = {name: share + (1 if i < extra else 0) for i, name in enumerate(sorted(names))}
+    targets = {name: share + (1 if i < extra else 0) for i, name in enumerate(order)}
     kept: dict[str, list[int]] = {name: [] for name in names}
     free: list[int] = []
-    owners = {vb: node.name for node in cluster.active_nodes for vb in node.vbuckets}
+    owners = {vb: node.name for node in cluster.nodes for vb in node.vbuckets}
     for vb in range(num):
         owner = owners.get(vb)
         if owner in kept and len(kept[owner]) < targets[owner]:
             kept[owner].append(vb)
         else:
             free.append(vb)
-    for name in sorted(names):
+    for name in order:
         while len(kept[name]) < targets[name]:
             kept[name].append(free.pop(0))
+    active = {vb: name for name, vbs in kept.items() for vb in vbs}
+    replicas = _replicas_placed(cluster, order, active, wanted_replicas)
     nodes = tuple(
-        dataclasses.replace(node, vbuckets=tuple(sorted(kept[node.replica_of or node.name])))
+        dataclasses.replace(
+            node,
+            vbuckets=tuple(sorted(kept[node.name])),
+            replicas=tuple(sorted(replicas[node.name])),
+        )
         for node in cluster.nodes
-        if (node.replica_of or node.name) in kept
+        if node.name in kept
     )
-    return ClusterMap(num, nodes)
+    return ClusterMap(num, nodes, wanted_replicas)
+
+
+def _replicas_placed(
+    cluster: ClusterMap, order: Sequence[str], active: dict[int, str], count: int
+) -> dict[str, set[int]]:
+    """`count` replicas of each vbucket on nodes of `order` other than its active one, each
+    node holding about as many as the others: a replica stays where it is while its node is
+    below its share, then the vbucket's old active node (which holds its documents) is taken,
+    then the node with the fewest."""
+    placed: dict[str, set[int]] = {name: set() for name in order}
+    if count == 0:
+        return placed
+    num = cluster.num_vbuckets
+    limit = -(-num * count // len(order))  # a node's share, rounded up
+    held = {name: set(cluster.node(name).replicas) for name in order if _in(cluster, name)}
+    was_active = {vb: n.name for n in cluster.nodes for vb in n.vbuckets}
+    for vb in range(num):
+        chosen: list[str] = []
+        preferred = [name for name in order if vb in held.get(name, ())]
+        if was_active.get(vb) in placed:
+            preferred.append(was_active[vb])
+        for name in preferred:
+            fits = len(placed[name]) < limit
+            if fits and len(chosen) < count and name != active[vb] and name not in chosen:
+                chosen.append(name)
+        for name in sorted(order, key=lambda name: (len(placed[name]), name)):
+            if len(chosen) < count and name != active[vb] and name not in chosen:
+                chosen.append(name)
+        for name in chosen:
+            placed[name].add(vb)
+    # The greedy pass can leave a node over its share where the rest had to go to it: move
+    # replicas from nodes over the share to nodes under it, where the vbucket may go.
+    while _evened(placed, active):
+        pass
+    return placed
+
+
+def _evened(placed: dict[str, set[int]], active: dict[int, str]) -> bool:
+    """Move one replica from a node with two or more above another to that one, where the
+    vbucket may go; whether one moved."""
+    for over in sorted(placed, key=lambda name: (-len(placed[name]), name)):
+        for under in sorted(placed, key=lambda name: (len(placed[name]), name)):
+            if len(placed[over]) - len(placed[under]) < 2:
+                break
+            vb = min(
+                (vb for vb in placed[over] if active[vb] != under and vb not in placed[under]),
+                default=None,
+            )
+            if vb is not None:
+                placed[over].discard(vb)
+                placed[under].add(vb)
+                return True
+    return False
+
+
+def _in(cluster: ClusterMap, name: str) -> bool:
+    return any(node.name == name for node in cluster.nodes)
 
 
 def planned(cluster: ClusterMap, target: ClusterMap) -> ClusterMap:
     """The first step of a move to `target`: every vbucket that changes owner is `building` on
     its new owner, which receives it from the routers while the owner now still answers for it.
-    Nodes that `target` leaves out stay until the hand-over (`handed_over`)."""
-    wanted = {node.name: set(node.vbuckets) for node in target.active_nodes}
+    Replicas go where `target` places them at once (a replica answers no scan), except on a
+    vbucket's owner now, which becomes a replica at the hand-over. Nodes that `target` leaves
+    out stay until the hand-over (`handed_over`)."""
+    wanted = {node.name: node for node in target.nodes}
     nodes = []
     for node in cluster.nodes:
-        active = node.replica_of or node.name
-        gets = wanted.get(active, set()) - set(cluster.node(active).vbuckets)
-        nodes.append(dataclasses.replace(node, building=tuple(sorted(gets))))
-    return ClusterMap(cluster.num_vbuckets, tuple(nodes))
+        goal = wanted.get(node.name)
+        if goal is None:
+            nodes.append(node)
+            continue
+        gets = set(goal.vbuckets) - set(node.vbuckets)
+        replicas = set(goal.replicas) - set(node.vbuckets)
+        nodes.append(
+            dataclasses.replace(
+                node, building=tuple(sorted(gets)), replicas=tuple(sorted(replicas))
+            )
+        )
+    return ClusterMap(cluster.num_vbuckets, tuple(nodes), target.num_replicas)
 
 
 def handed_over(cluster: ClusterMap, leaving: Sequence[str] = ()) -> ClusterMap:
     """The last step of a move: each moving vbucket leaves its owner for the node that built it,
-    in one map; the active nodes `leaving` (with their replicas) go too, owning nothing now."""
+    in one map (the old owner keeping it as a replica while the vbucket has fewer than the
+    map's number); the nodes `leaving` go too, owning nothing now."""
     moves = cluster.moves
-    owns = {
-        node.name: tuple(
-            sorted({vb for vb in node.vbuckets if vb not in moves} | set(node.building))
+    counts = [0] * cluster.num_vbuckets
+    for node in cluster.nodes:
+        if node.name not in leaving:
+            for vb in node.replicas:
+                counts[vb] += 1
+    nodes = []
+    for node in cluster.nodes:
+        if node.name in leaving:
+            continue
+        owns = {vb for vb in node.vbuckets if vb not in moves} | set(node.building)
+        kept_as_replica = set()
+        for vb in node.vbuckets:
+            if vb in moves and counts[vb] < cluster.num_replicas:
+                kept_as_replica.add(vb)
+                counts[vb] += 1
+        replicas = (set(node.replicas) | kept_as_replica) - owns
+        nodes.append(
+            dataclasses.replace(
+                node,
+                vbuckets=tuple(sorted(owns)),
+                building=(),
+                replicas=tuple(sorted(replicas)),
+            )
         )
-        for node in cluster.active_nodes
-    }
     for name in leaving:
-        if owns.get(name):
-            raise ClusterMapError(f"node {name} still owns {len(owns[name])} vbuckets")
-    nodes = tuple(
-        dataclasses.replace(node, vbuckets=owns[node.replica_of or node.name], building=())
-        for node in cluster.nodes
-        if (node.replica_of or node.name) not in leaving
-    )
-    return ClusterMap(cluster.num_vbuckets, nodes)
+        gone = cluster.node(name)
+        still = [vb for vb in gone.vbuckets if vb not in moves]
+        if still:
+            raise ClusterMapError(f"node {name} still owns {len(still)} vbuckets")
+    return ClusterMap(cluster.num_vbuckets, tuple(nodes), cluster.num_replicas)

@@ -25,6 +25,7 @@ from indexer.aggregates import (
     parse_aggregates,
 )
 from indexer.client import (
+    ACTIVE_HEADER,
     NDJSON,
     NEXT_HEADER,
     RETRY_AFTER,
@@ -421,7 +422,12 @@ class ScanRoutes(AdminRoutes):
 
     async def _read_snapshot(self, query: dict[str, str]) -> StabilitySnapshot:
         """The snapshot a read asks for: its pin's, or one at its consistency. `at_plus` alone
-        implies consistency=at_plus; a parameter the choice would ignore is a 400."""
+        implies consistency=at_plus; a parameter the choice would ignore is a 400. A node
+        fenced in its cluster (indexer/cluster/standing.py) answers 503."""
+        standing = self.view.standing
+        fenced = None if standing is None else standing.fenced()
+        if fenced is not None:
+            raise ApiError(503, fenced, {RETRY_AFTER: "1"})
         if "pin" in query:
             ignored = [p for p in ("consistency", "at_plus", "timeout") if p in query]
             if ignored:
@@ -500,6 +506,9 @@ class ScanRoutes(AdminRoutes):
             }
             if snap.held:  # what a merged scan checks against the map it read
                 meta[VBUCKETS_HEADER] = ",".join(held_ranges(snap))
+            standing = self.view.standing
+            if standing is not None and standing.active is not None:
+                meta[ACTIVE_HEADER] = ",".join(vbucket_ranges(sorted(standing.active)))
             if count_only:
                 n = snap.entry_counts.get(index.definition.name)
                 if n is None or bounds != KeyRange():

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from indexer.build import IndexBuild
 from indexer.catalog import IndexCatalog
+from indexer.cluster.standing import ClusterStanding
 from indexer.collector import CollectorPauses
 from indexer.compaction import Compactor
 from indexer.config import LimitsConfig, SecurityConfig
@@ -38,6 +39,7 @@ class DaemonView:
     collector: CollectorPauses | None = None
     rollback: Rollback | None = None
     ready: bool = False
+    standing: ClusterStanding | None = None  # in a cluster in etcd: may it answer, and for what
 
     @property
     def store(self) -> IndexStore:

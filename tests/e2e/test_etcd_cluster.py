@@ -5,6 +5,7 @@ etcd-server) and real processes on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -12,8 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from indexer.client import ACTIVE_HEADER
 from indexer.cluster.map import parse_vbuckets
 from indexer.cluster.store import scan_the_cluster
 from indexer.router import Workload, generate
@@ -131,40 +134,98 @@ def test_a_cluster_in_etcd_routes_scans_and_rebalances_onto_a_new_node(
     assert router.stop() == 0
 
 
-def test_a_killed_node_fails_over_to_its_replica_losing_nothing(
+def receives(url: str) -> dict[str, set[int]]:
+    """What each node holds (active, replica or building), as `cluster status` gives it."""
+    found = {}
+    for name, node in status(url)["nodes"].items():
+        ranges = [*node["vbucket_ranges"], *node["replica_ranges"], *node["building_ranges"]]
+        found[name] = set(parse_vbuckets(ranges, 1024, name)) if ranges else set()
+    return found
+
+
+def merged_scan(url: str) -> list[dict[str, Any]]:
+    with scan_the_cluster(url, "by_age", {"consistency": "request_plus"}, 60) as found:
+        return list(found)
+
+
+def test_three_nodes_with_a_replica_survive_a_killed_and_a_stopped_node(
     daemon_factory: Any, routers: Any, tmp_path: Path, etcd: Etcd
 ) -> None:
     url = etcd.url("indexer/failover")
-    a, b, a2 = (daemon_factory(server={"cluster_lease_s": 2}) for _ in range(3))
+    ttl = 2
+    a, b, c = (daemon_factory(server={"cluster_lease_s": ttl}) for _ in range(3))
+    nodes = {"a": a, "b": b, "c": c}
     start = write_map(tmp_path / "cluster.toml", {"a": (a, "0-511"), "b": (b, "512-1023")})
     assert cli("cluster", "init", "--cluster", url, "--from", str(start)).returncode == 0
-    add_node(url, "a2", a2, "--replica-of", "a")
+    add_node(url, "c", c)
     documents, jsonl, router = serve_and_route(
-        url, {"a": a, "b": b, "a2": a2}, routers, tmp_path, Workload(6_000, 2_000, 0.1, 521)
+        url, nodes, routers, tmp_path, Workload(6_000, 2_000, 0.1, 521)
     )
-    low, high = set(range(512)), set(range(512, 1024))
-    for daemon, vbuckets in ((a, low), (a2, low), (b, high)):  # the replica gets a's stream
-        wait_equal(daemon, owned(documents, vbuckets))
-    assert status(url)["nodes"]["a2"]["role"] == "replica of a"
-    scan_equals_the_model(url, documents)  # the active nodes alone: nothing twice
-    # a dies; its lease runs out, and a2 takes over while documents keep coming.
-    a.kill()
+    done = cli("cluster", "rebalance", "--cluster", url, "--replicas", "1")
+    assert done.returncode == 0, done.stderr
+    found = status(url)
+    assert found["num_replicas"] == 1 and found["moves_in_progress"] == 0
+    counts = [0] * 1024
+    for node in found["nodes"].values():
+        for vb in parse_vbuckets(node["replica_ranges"], 1024, ""):
+            counts[vb] += 1
+    assert counts == [1] * 1024 and sorted(n["replicas"] for n in found["nodes"].values()) == [
+        341,
+        341,
+        342,
+    ]
+    for name, held in receives(url).items():  # a replica gets its vbuckets' stream too
+        wait_equal(nodes[name], owned(documents, held))
+    assert merged_scan(url) == model(documents, INDEXES["by_age"])  # each vbucket once
+    # c is killed while documents keep coming; scans wait for the failover, then answer whole.
+    was_active = slices(url)["c"]
+    c.kill()
+    killed_at = time.monotonic()
     more = list(generate(Workload(3_000, 2_000, 0.1, 522)))
     write_jsonl(jsonl, more, append=True)
     documents += more
-    deadline = time.monotonic() + 60
-    while "a" in (nodes := status(url)["nodes"]):
-        assert time.monotonic() < deadline, nodes
+    want = model(documents, INDEXES["by_age"])
+    while (rows := merged_scan(url)) != want:
+        ids = [row["id"] for row in rows]
+        assert len(ids) == len(set(ids)), "a row came twice"
+        assert time.monotonic() - killed_at < ttl + 15, "no complete scan after the failover"
         time.sleep(0.2)
-    assert nodes["a2"]["role"] == "active" and nodes["a2"]["vbuckets"] == 512
-    wait_equal(a2, owned(documents, low))
-    wait_equal(b, owned(documents, high))
-    scan_equals_the_model(url, documents)
-    assert "failover: node a's lease expired" in a2.log()
-    # The old node is fenced: the map no longer has it.
-    again = cli("serve", "--cluster", url, "--node", "a")
-    assert again.returncode == 2 and "no node named 'a'" in again.stderr, again.stderr
+    failover_s = time.monotonic() - killed_at
+    assert slices(url)["c"] == set() and "c" in status(url)["nodes"]  # fenced, kept as a replica
+    assert "failover: node c's lease expired" in a.log() + b.log()
+    assert was_active <= receives(url)["c"]
+    # c comes back under its name: a replica of what it lost, it catches up from the routers.
+    c.start()
+    for name, held in receives(url).items():
+        wait_equal(nodes[name], owned(documents, held))
+    assert status(url)["nodes"]["c"]["role"] == "replica" and status(url)["nodes"]["c"]["alive"]
+    # b is stopped past its lease: its replicas take over. Woken, it must not answer as active.
+    b_active = slices(url)["b"]
+    assert b_active
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + ttl + 30
+        while slices(url)["b"]:
+            assert time.monotonic() < deadline, status(url)
+            time.sleep(0.2)
+        assert merged_scan(url) == want
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    woken = httpx.get(f"{b.url}/indexes/by_age/scan", params={"consistency": "any"}, timeout=30)
+    if woken.status_code == 200:  # it read the map first: it is active for nothing of its own
+        active = woken.headers[ACTIVE_HEADER]
+        assert not (set(parse_vbuckets(active.split(","), 1024, "")) if active else set())
+    else:
+        assert woken.status_code == 503 and "lease" in woken.json()["error"], woken.text
+    assert merged_scan(url) == want
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{b.url}/indexes/by_age/scan?limit=1", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, b.log()[-2000:]
+        time.sleep(0.2)
+    for name, held in receives(url).items():
+        wait_equal(nodes[name], owned(documents, held))
     assert router.stop() == 0
+    print(f"failover: the first complete scan {failover_s:.1f} s after the kill (TTL {ttl} s)")
 
 
 def test_bad_cluster_addresses_and_changes_fail_with_one_line(tmp_path: Path, etcd: Etcd) -> None:

@@ -16,7 +16,7 @@ from indexer.cluster.etcd import (
     put_if_request,
     watch_events,
 )
-from indexer.cluster.failover import promoted
+from indexer.cluster.failover import failed_over
 from indexer.cluster.map import (
     ClusterMap,
     ClusterMapError,
@@ -72,8 +72,22 @@ def test_answers_and_watch_lines_decode() -> None:
         watch_events(json.dumps({"result": {"canceled": True, "cancel_reason": "compacted"}}))
 
 
-def node(name: str, vbuckets: range | tuple[int, ...], of: str | None = None) -> ClusterNode:
-    return ClusterNode(name, ("127.0.0.1", 1), ("127.0.0.1", 2), tuple(vbuckets), of)
+def node(
+    name: str, vbuckets: range | tuple[int, ...], replicas: range | tuple[int, ...] = ()
+) -> ClusterNode:
+    return ClusterNode(
+        name, ("127.0.0.1", 1), ("127.0.0.1", 2), tuple(vbuckets), replicas=tuple(replicas)
+    )
+
+
+def replica_counts(cluster: ClusterMap) -> list[int]:
+    """How many replicas each vbucket has, checking that none is on its active node."""
+    counts = [0] * cluster.num_vbuckets
+    for n in cluster.nodes:
+        assert not set(n.replicas) & set(n.vbuckets), n.name
+        for vb in n.replicas:
+            counts[vb] += 1
+    return counts
 
 
 def test_a_rebalance_shares_evenly_and_moves_few() -> None:
@@ -99,7 +113,7 @@ def test_the_map_etcd_holds_reads_back_as_the_same_map() -> None:
     assert cluster_map_from(json.loads(map_document(cluster)), "etcd") == cluster
 
 
-def test_a_replica_holds_its_active_nodes_vbuckets_and_scans_skip_it() -> None:
+def test_replicas_are_vbuckets_of_other_nodes_and_replica_of_is_their_shorthand() -> None:
     text = """num_vbuckets = 8
 [nodes.a]
 feed = "127.0.0.1:1"
@@ -115,48 +129,64 @@ http = "127.0.0.1:6"
 replica_of = "a"
 """
     cluster = parse_cluster_map(text)
-    assert cluster.node("a2").vbuckets == (0, 1, 2, 3)
+    assert cluster.node("a2").replicas == (0, 1, 2, 3) and cluster.node("a2").vbuckets == ()
+    assert cluster.node("a2").receives == (0, 1, 2, 3) and cluster.num_replicas == 1
     assert [n.name for n in cluster.active_nodes] == ["a", "b"] and cluster.owner(1).name == "a"
+    assert [n.name for n in cluster.replica_holders(2)] == ["a2"] and not cluster.replica_holders(5)
     assert cluster_map_from(json.loads(map_document(cluster)), "etcd") == cluster
-    # a rebalance moves a replica with its active node
-    moved = rebalanced(ClusterMap(8, (*cluster.nodes, node("c", ()))), ["a", "b", "c"])
-    assert moved.node("a2").vbuckets == moved.node("a").vbuckets
-    # a failover: a2 is active for a's vbuckets, a is gone, a's other replicas follow a2
-    after = promoted(ClusterMap(8, (*cluster.nodes, node("a3", (0, 1, 2, 3), "a"))), "a2", "a")
-    assert [n.name for n in after.active_nodes] == ["b", "a2"]
-    assert after.node("a3").replica_of == "a2" and "a" not in {n.name for n in after.nodes}
     for bad, message in (
         (text.replace('replica_of = "a"', 'replica_of = "z"'), "not another node"),
         (text + 'vbuckets = ["0-3"]\n', "holds the vbuckets of nodes.a"),
+        (text.replace('vbuckets = ["4-7"]', 'vbuckets = ["4-7"]\nreplicas = [5]'), "another node"),
+        ("num_replicas = 3\n" + text, "num_replicas: a whole number from 0 to 2"),
     ):
         with pytest.raises(ClusterMapError, match=message):
             parse_cluster_map(bad)
+
+
+def test_a_rebalance_places_replicas_evenly_off_their_active_node_and_moves_few() -> None:
+    two = rebalanced(ClusterMap(1024, (node("a", range(1024)), node("b", ()))), ["a", "b"], 1)
+    assert replica_counts(two) == [1] * 1024 and two.num_replicas == 1
+    assert set(two.node("a").replicas) == set(two.node("b").vbuckets)
+    three = rebalanced(ClusterMap(1024, (*two.nodes, node("c", ())), 1), ["a", "b", "c"])
+    assert replica_counts(three) == [1] * 1024
+    assert sorted(len(n.replicas) for n in three.nodes) == [341, 341, 342]
+    assert rebalanced(three, ["a", "b", "c"]) == three  # nothing to move
+    kept = sum(len(set(n.replicas) & set(two.node(n.name).replicas)) for n in two.nodes)
+    assert kept >= 1024 - 342 * 2  # the replicas a and b keep
+    both = rebalanced(three, ["a", "b", "c"], 2)
+    assert replica_counts(both) == [2] * 1024
+    with pytest.raises(ClusterMapError, match="2 replicas of each vbucket need 3 nodes"):
+        rebalanced(two, ["a", "b"], 2)
 
 
 def test_a_move_is_planned_as_building_then_handed_over_in_one_map() -> None:
     before = ClusterMap(
         1024,
         (
-            node("a", range(512)),
-            node("b", range(512, 1024)),
+            node("a", range(512), range(512, 1024)),
+            node("b", range(512, 1024), range(512)),
             node("c", ()),
-            node("a2", range(512), "a"),
         ),
+        1,
     )
-    plan = planned(before, rebalanced(before, ["a", "b", "c"]))
+    target = rebalanced(before, ["a", "b", "c"])
+    plan = planned(before, target)
     # Nothing changes owner yet: c receives what it will own, a and b still answer for it.
     assert [n.vbuckets for n in plan.active_nodes] == [n.vbuckets for n in before.active_nodes]
     assert len(plan.node("c").building) == 341 and not plan.node("a").building
-    assert plan.node("c").receives == plan.node("c").building
-    assert set(plan.node("a").receives) == set(range(512))
+    assert set(plan.node("c").receives) == set(plan.node("c").building) | set(
+        plan.node("c").replicas
+    )
+    assert set(plan.node("a").receives) >= set(range(512))
     assert {src for src, dst in plan.moves.values()} == {"a", "b"}
     assert {dst for src, dst in plan.moves.values()} == {"c"}
     assert cluster_map_from(json.loads(map_document(plan)), "etcd") == plan  # as etcd holds it
     done = handed_over(plan)
     assert not done.moves and not any(n.building for n in done.nodes)
     assert sorted(len(n.vbuckets) for n in done.active_nodes) == [341, 341, 342]
-    assert done.node("a2").vbuckets == done.node("a").vbuckets  # the replica follows
     assert sorted(vb for n in done.active_nodes for vb in n.vbuckets) == list(range(1024))
+    assert replica_counts(done) == [1] * 1024  # an old owner keeps what it gave up as a replica
     # remove-node: c's vbuckets built on a and b, then c leaves with the hand-over
     leave = planned(done, rebalanced(done, ["a", "b"]))
     assert {dst for _, dst in leave.moves.values()} == {"a", "b"}
@@ -165,6 +195,31 @@ def test_a_move_is_planned_as_building_then_handed_over_in_one_map() -> None:
     gone = handed_over(leave, ["c"])
     assert "c" not in {n.name for n in gone.nodes}
     assert sorted(vb for n in gone.active_nodes for vb in n.vbuckets) == list(range(1024))
+    assert replica_counts(gone) == [1] * 1024
+
+
+def test_a_failover_makes_the_most_caught_up_live_replica_active() -> None:
+    cluster = ClusterMap(
+        8,
+        (
+            node("a", range(4), range(4, 8)),
+            node("b", range(4, 8), (0, 1)),
+            node("c", (), range(4)),
+        ),
+        2,
+    )
+    seqnos = {"b": [5] * 8, "c": [9, 1, 0, 0, 0, 0, 0, 0]}
+    after = failed_over(cluster, "a", {"b", "c"}, seqnos)
+    assert after.owner(0).name == "c" and after.owner(1).name == "b"  # the higher seqno
+    assert after.owner(2).name == "c" == after.owner(3).name  # the one live replica
+    # a is fenced: active for nothing, a replica of what it lost (it catches up when back)
+    assert after.node("a").vbuckets == () and set(after.node("a").replicas) == set(range(8))
+    assert sorted(vb for n in after.active_nodes for vb in n.vbuckets) == list(range(8))
+    assert replica_counts(after)[:4] == [2, 2, 1, 1]  # as many as each had
+    # with no live replica a vbucket stays where it is
+    assert failed_over(cluster, "a", set(), {}) == cluster
+    unknown = failed_over(cluster, "a", {"b", "c"}, {"b": None, "c": None})
+    assert unknown.owner(0).name == "b"  # equals: the first by name
 
 
 def test_a_bad_building_list_is_refused_with_its_key() -> None:
