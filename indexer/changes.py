@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import dataclasses
 import json
 import marshal
 import os
@@ -234,11 +235,10 @@ class _Span:
     first: tuple[int, int]
     last: tuple[int, int] | None
     stopped: bool  # `last` is where the reader asked to stop (its token ends the read)
+    only: frozenset[int] | None = None  # the vbuckets read (None: all)
 
     def ended_at(self, vbucket: int, seqno: int) -> _Span:
-        return _Span(
-            self.since, self.until, self.numbers, self.stamps, self.first, (vbucket, seqno), True
-        )
+        return dataclasses.replace(self, last=(vbucket, seqno), stopped=True)
 
 
 DocumentChange = tuple[int, bytes, list[bytes], list[bytes]]  # seqno, docid, keys lost, gained
@@ -565,6 +565,7 @@ class ChangeHistory:
         source: Any,
         limit: int | None = None,
         stop: ChangeToken | None = None,
+        only: frozenset[int] | None = None,
     ) -> tuple[Iterator[ChangeRow], ChangeToken]:
         """The rows of `index` from `token` up to mark `until` (at most `limit`, whole
         documents' changes), read lazily from `source` (a LevelDB snapshot, open while they are
@@ -574,7 +575,7 @@ class ChangeHistory:
         there instead: the interval must be the one `token` starts or is in, so that reads
         bounded by tokens (Spark's micro-batches) always answer the same rows. A limited read
         first finds where it ends (counting, no rows kept), so memory never holds the answer."""
-        blocks, after = self.read_records(index, token, until, source, limit, stop)
+        blocks, after = self.read_records(index, token, until, source, limit, stop, only)
         return _rows(index, blocks), after
 
     def read_records(
@@ -585,13 +586,17 @@ class ChangeHistory:
         source: Any,
         limit: int | None = None,
         stop: ChangeToken | None = None,
+        only: frozenset[int] | None = None,
     ) -> tuple[Iterator[ChangeBlock], ChangeToken]:
         """`read`, as the history records hold its rows: their documents in columns, a block
         per record and mark (what the HTTP answer turns into Arrow columns a chunk at a time,
-        without an object per row)."""
+        without an object per row). With `only`, the changes of those vbuckets alone (a
+        cluster's node answering for its active ones)."""
         span = self._span(index, token, until, source, stop)
         if span is None:
             return iter(()), ChangeToken(self.history_id, token.since)
+        if only is not None:
+            span = dataclasses.replace(span, only=only)
         after = self._end_of(index, span, source, limit)
         if after.until is not None:
             span = span.ended_at(after.vbucket, after.seqno)
@@ -605,10 +610,11 @@ class ChangeHistory:
         source: Any,
         limit: int | None = None,
         stop: ChangeToken | None = None,
+        only: frozenset[int] | None = None,
     ) -> ChangeToken:
         """Where `read` with the same arguments ends: its token alone, no rows built (the
         records are a generator, left unread)."""
-        return self.read_records(index, token, until, source, limit, stop)[1]
+        return self.read_records(index, token, until, source, limit, stop, only)[1]
 
     def _span(
         self,
@@ -670,6 +676,8 @@ class ChangeHistory:
         first_vb, first_seqno = span.first
         last_vb, last_seqno = span.last if span.last is not None else (self.num_vbuckets - 1, -1)
         for vb in range(first_vb, last_vb + 1):
+            if span.only is not None and vb not in span.only:
+                continue
             low = span.since.timestamp[vb]
             if vb == first_vb:
                 low = max(low, first_seqno)

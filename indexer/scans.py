@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
@@ -48,6 +49,23 @@ class KeyRange:
 
 # A scan's bounds: one range, or several disjoint ones in index order (several spans).
 Bounds = KeyRange | tuple[KeyRange, ...]
+
+
+@dataclass(frozen=True)
+class VbucketFilter:
+    """Only the entries of documents in `vbuckets` (of `num`): what a node of a cluster answers
+    for when it holds other vbuckets too (replicas, or vbuckets moving to it)."""
+
+    vbuckets: frozenset[int]
+    num: int
+
+    def entries(self, entries: Iterator[bytes]) -> Iterator[bytes]:
+        keep, num = self.vbuckets, self.num
+        for entry in entries:
+            # The docid is found by the entry's tail (keys.entry_tail): its length, last.
+            n = (entry[-2] << 8) | entry[-1]
+            if zlib.crc32(entry[-2 - n : -2]) % num in keep:
+                yield entry
 
 
 def merge_spans(ranges: Sequence[KeyRange]) -> tuple[KeyRange, ...]:
@@ -187,10 +205,11 @@ def page(
     offset: int,
     limit: int,
     reverse: bool = False,
+    only: VbucketFilter | None = None,
 ) -> list[bytes]:
     """The entries of one page (blocking): `limit` after skipping `offset`, in index order or
     with `reverse` in the other; held in memory, so that its last entry is known first."""
-    entries = _entries(store, index, snapshot, bounds, None, reverse)
+    entries = _entries(store, index, snapshot, bounds, None, reverse, only)
     return list(islice(entries, offset, offset + limit))
 
 
@@ -239,15 +258,26 @@ def lookup(store: IndexStore, index: StoredIndex, snapshot: Any, docid: str) -> 
     return rows
 
 
-def count_entries(store: IndexStore, index: StoredIndex, snapshot: Any, bounds: Bounds) -> int:
-    return sum(1 for _ in _entries(store, index, snapshot, bounds))
+def count_entries(
+    store: IndexStore,
+    index: StoredIndex,
+    snapshot: Any,
+    bounds: Bounds,
+    only: VbucketFilter | None = None,
+) -> int:
+    return sum(1 for _ in _entries(store, index, snapshot, bounds, only=only))
 
 
 def more_than(
-    store: IndexStore, index: StoredIndex, snapshot: Any, bounds: Bounds, most: int
+    store: IndexStore,
+    index: StoredIndex,
+    snapshot: Any,
+    bounds: Bounds,
+    most: int,
+    only: VbucketFilter | None = None,
 ) -> bool:
     """Whether `bounds` holds more than `most` entries: reads at most most + 1 keys (blocking)."""
-    return sum(1 for _ in _entries(store, index, snapshot, bounds, most + 1)) > most
+    return sum(1 for _ in _entries(store, index, snapshot, bounds, most + 1, only=only)) > most
 
 
 def _entries(
@@ -257,22 +287,24 @@ def _entries(
     bounds: Bounds,
     limit: int | None = None,
     reverse: bool = False,
+    only: VbucketFilter | None = None,
 ) -> Iterator[bytes]:
     """Main-index entry keys (prefix included) within `bounds`, from a snapshot or the store;
-    in index order, or with `reverse` in the opposite order."""
+    in index order, or with `reverse` in the opposite order; with `only`, of its vbuckets."""
+    entries: Iterator[bytes]
     if isinstance(bounds, tuple):  # several spans, disjoint and in index order
         ordered = reversed(bounds) if reverse else bounds
-        chained = chain.from_iterable(
+        entries = chain.from_iterable(
             _entries(store, index, snapshot, b, None, reverse) for b in ordered
         )
-        return chained if limit is None else islice(chained, limit)
-    prefix = index.main_prefix
-    start = prefix + (bounds.start or b"")
-    stop = prefix + bounds.stop if bounds.stop is not None else _after(prefix)
-    source = snapshot if snapshot is not None else store.db
-    entries: Iterator[bytes] = source.iterator(
-        start=start, stop=stop, include_value=False, reverse=reverse
-    )
+    else:
+        prefix = index.main_prefix
+        start = prefix + (bounds.start or b"")
+        stop = prefix + bounds.stop if bounds.stop is not None else _after(prefix)
+        source = snapshot if snapshot is not None else store.db
+        entries = source.iterator(start=start, stop=stop, include_value=False, reverse=reverse)
+    if only is not None:
+        entries = only.entries(entries)
     return entries if limit is None else islice(entries, limit)
 
 
@@ -347,6 +379,7 @@ def entry_batches(
     offset: int = 0,
     docids: bool = True,
     decode: int | None = None,
+    only: VbucketFilter | None = None,
 ) -> Iterator[EntryBatch]:
     """The rows of `iterate` in batches of up to `chunk` (blocking: run it in a thread).
 
@@ -358,7 +391,7 @@ def entry_batches(
     """
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
-    entries = _entries(store, index, snapshot, bounds, limit, reverse)
+    entries = _entries(store, index, snapshot, bounds, limit, reverse, only)
     if offset:
         entries = islice(entries, offset, None)
     desc = index.definition.desc

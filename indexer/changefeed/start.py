@@ -17,6 +17,7 @@ from typing import Any
 
 from indexer.changes import ChangeHistory, ChangeToken
 from indexer.keys import entry_tail, split_tail
+from indexer.scans import VbucketFilter
 from indexer.storage import IndexStore, StoredIndex
 
 PAGES_LEASE_S = 120.0
@@ -52,8 +53,10 @@ class SnapshotStart:
         mark: int = 0,
         until: int = 0,
         source: Any = None,
+        only: VbucketFilter | None = None,
     ) -> None:
         self.store = store
+        self.only = only  # the vbuckets whose entries it gives (None: all)
         self.index = index
         self.exact = exact
         self.later = later
@@ -85,6 +88,10 @@ class SnapshotStart:
 
     def entries(self, after: bytes | None = None, through: bytes | None = None) -> Iterator[bytes]:
         """The entries after `after` (excluded) up to `through` (included), in index order."""
+        found = self._entries(after, through)
+        return found if self.only is None else self.only.entries(found)
+
+    def _entries(self, after: bytes | None, through: bytes | None) -> Iterator[bytes]:
         if self.exact is not None:
             yield from self.store.main_range(self.index, self.exact, after, through)
             return

@@ -86,12 +86,13 @@ def changes(
     if cluster_map is not None and cluster is not None:
         fail("--cluster-map or --cluster: one of the two", 2)
     where: Path | str | None = cluster_map if cluster_map is not None else cluster
+    answered: dict[str, str] = {}  # node -> the vbuckets it answers for, where it holds others
     if where is None:
         apis = {"": daemon.connect()}
     else:
         if daemon.url is not None:
             fail("give --url or --cluster-map, not both", 2)
-        apis = _node_apis(where, daemon)
+        apis, answered = _node_apis(where, daemon)
     tokens = _start(since, apis)
     api = next(iter(apis.values()))
     try:
@@ -100,7 +101,7 @@ def changes(
             for node, api in apis.items():
                 # One daemon alone waits for a new snapshot; of several, none waits for one.
                 wait = follow and len(apis) == 1
-                for after in _pages(api, name, tokens[node], limit, wait):
+                for after in _pages(api, name, tokens[node], limit, wait, answered.get(node)):
                     moved = moved or after != tokens[node]
                     tokens[node] = after
                     told = tokens[""] if "" in tokens else encode_cluster_token(tokens)
@@ -117,9 +118,10 @@ def changes(
         sys.stderr.close()
 
 
-def _node_apis(path: Path | str, daemon: ApiOptions) -> dict[str, Api]:
-    """An Api per node of the map, with the token and TLS of the options."""
-    from indexer.cluster.map import ClusterMapError
+def _node_apis(path: Path | str, daemon: ApiOptions) -> tuple[dict[str, Api], dict[str, str]]:
+    """An Api per active node of the map, with the token and TLS of the options; and for each
+    node that holds other vbuckets too (replicas, moves), the vbuckets it is to answer for."""
+    from indexer.cluster.map import ClusterMapError, vbucket_ranges
     from indexer.cluster.store import load_map
 
     try:
@@ -129,9 +131,15 @@ def _node_apis(path: Path | str, daemon: ApiOptions) -> dict[str, Api]:
     config = _config(daemon.config_file) if daemon.config_file is not None else None
     bearer, context = _client_security(config, daemon.token, daemon.token_file, daemon.tls_ca)
     verify = context if context is not None else True
-    return {
+    apis = {
         n.name: Api(n.base_url(context is not None), bearer, verify) for n in cluster.active_nodes
     }
+    answered = {
+        n.name: ",".join(vbucket_ranges(n.vbuckets))
+        for n in cluster.active_nodes
+        if n.receives != n.vbuckets
+    }
+    return apis, answered
 
 
 def _start(since: str, apis: dict[str, Api]) -> dict[str, str]:
@@ -153,12 +161,17 @@ def _start(since: str, apis: dict[str, Api]) -> dict[str, str]:
     return {node: parts.get(node, "snapshot") for node in apis}
 
 
-def _pages(api: Api, name: str, token: str, limit: int | None, wait: bool) -> Iterator[str]:
+def _pages(
+    api: Api, name: str, token: str, limit: int | None, wait: bool, vbuckets: str | None = None
+) -> Iterator[str]:
     """Print a daemon's changes from `token` to its latest persisted snapshot, in pages of
-    `limit` (waiting for a new snapshot first if `wait`); the token after each page."""
+    `limit` (waiting for a new snapshot first if `wait`; of `vbuckets` alone if given); the
+    token after each page."""
     in_start = token in ("snapshot", "0") or ".s." in token
     while True:
         params: dict[str, str | int] = {"since": token}
+        if vbuckets is not None:
+            params["vbuckets"] = vbuckets
         if limit is not None and token != "latest":
             params["limit"] = limit  # the snapshot start in pages too
         if wait and token not in ("snapshot", "0", "latest"):

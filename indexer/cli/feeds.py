@@ -369,6 +369,15 @@ def _feed_state(
     help="Cap of recent mutations kept in memory; nodes further behind read the source log.",
 )
 @click.option(
+    "--ack",
+    "ack_rule",
+    type=click.Choice(["all", "majority"]),
+    default="all",
+    show_default=True,
+    help="Which owners of a vbucket (its active node and replicas) must read a bulk request's "
+    "documents before a wait=visible request is answered: all of them, or a majority.",
+)
+@click.option(
     "--bulk-max-mb",
     type=click.FloatRange(0.001, 1024),
     metavar="MB",
@@ -460,6 +469,7 @@ def router(
     rate: float | None,
     memory_mb: float,
     bulk_max_mb: float,
+    ack_rule: str,
     vbucket_range: str | None,
     source_id: str | None,
     cluster_map: Path | None,
@@ -568,6 +578,7 @@ def router(
             *(["--cluster", cluster] if cluster is not None else []),
             "--memory-mb", str(memory_mb),
             "--bulk-max-mb", str(bulk_max_mb),
+            "--ack", ack_rule,
             "--log-level", log_level or "info",
             "--log-format", log_format,
             *(["--tls"] if tls else []),
@@ -591,6 +602,7 @@ def router(
         parent_pipe=parent_pipe,
         bulk_max_bytes=int(bulk_max_mb * (1 << 20)),
         postgres=postgres_options,
+        ack_rule=ack_rule,
     )
     try:
         log = SourceLog(

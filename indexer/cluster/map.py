@@ -368,6 +368,13 @@ def answered_for(
             yield row
 
 
+def _ranges(said: str | None, default: frozenset[int], num: int) -> frozenset[int]:
+    """The vbuckets a node's header names ("" none; no header: `default`)."""
+    if said is None:
+        return default
+    return frozenset(parse_vbuckets(said.split(","), num, "")) if said else frozenset()
+
+
 @contextmanager
 def scan_cluster(
     cluster: ClusterMap,
@@ -431,29 +438,26 @@ def scan_cluster(
                     desc = tuple(k.endswith(" DESC") for k in described.json().get("keys", ()))
             mine = frozenset(node.vbuckets)
             asked = params
+            if node.receives != node.vbuckets:  # it holds others too: it leaves them out
+                asked = {**params, "vbuckets": ",".join(vbucket_ranges(node.vbuckets))}
             while True:
                 response = open_scan(node, asked)
-                said = response.headers.get(VBUCKETS_HEADER)
-                held = mine if said is None else frozenset(parse_vbuckets(said.split(","), num, ""))
+                held = _ranges(response.headers.get(VBUCKETS_HEADER), mine, num)
                 if mine - held:
                     raise ClusterMapMoved(
                         f"node {node.name} no longer holds {len(mine - held)} of its vbuckets "
                         "in the map (a rebalance moved them): read the map again"
                     )
-                active = response.headers.get(ACTIVE_HEADER)
-                if active is not None:
-                    answers = frozenset(
-                        parse_vbuckets(active.split(","), num, "") if active else frozenset()
+                answers = _ranges(response.headers.get(ACTIVE_HEADER), mine, num)
+                if mine - answers:
+                    raise ClusterMapMoved(
+                        f"node {node.name} is no longer active for {len(mine - answers)} of "
+                        "its vbuckets in the map (a failover moved them): read the map again"
                     )
-                    if mine - answers:
-                        raise ClusterMapMoved(
-                            f"node {node.name} is no longer active for {len(mine - answers)} of "
-                            "its vbuckets in the map (a failover moved them): read the map again"
-                        )
                 if held - mine and "limit" in asked:
                     # Its first rows may be others' (it receives them too): read on past them.
                     response.close()
-                    asked = {k: v for k, v in params.items() if k != "limit"}
+                    asked = {k: v for k, v in asked.items() if k != "limit"}
                     continue
                 break
             rows = ndjson_rows(response.iter_lines())

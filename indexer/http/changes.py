@@ -23,7 +23,7 @@ from indexer.changes import (
     document_changes,
 )
 from indexer.client import NDJSON, NEXT_HEADER, RETRY_AFTER, SNAPSHOT_HEADER
-from indexer.http.scans import ScanRoutes, _arrow_bodies, _column_kinds, _stream
+from indexer.http.scans import ScanRoutes, _arrow_bodies, _column_kinds, _stream, vbucket_filter
 from indexer.http.wire import (
     ARROW,
     DEFAULT_CONSUMER_LEASE_S,
@@ -36,7 +36,7 @@ from indexer.http.wire import (
     _respond,
 )
 from indexer.keys import decode_key, split_tail
-from indexer.scans import COLUMN_KINDS, Row, column_value, json_encode
+from indexer.scans import COLUMN_KINDS, Row, VbucketFilter, column_value, json_encode
 from indexer.snapshots import StabilitySnapshot
 from indexer.storage import StoredIndex
 
@@ -346,6 +346,8 @@ class ChangeRoutes(ScanRoutes):
         if not arrow and "columns" in query:
             raise ApiError(400, "columns: for Arrow answers (Accept: " + ARROW + ")")
         token_only = _token_only(query)
+        only = vbucket_filter(query, len(self.view.registry.owned))
+        vbuckets = None if only is None else only.vbuckets
         if since == "latest":
             if token_only or "until" in query:
                 raise ApiError(
@@ -363,7 +365,7 @@ class ChangeRoutes(ScanRoutes):
         if start is None or start.entry is not None:
             ends = _start_ends(query.get("until"), start)
             return await self._from_snapshot(
-                history, index, start, ends, limit, kinds, arrow, send, token_only
+                history, index, start, ends, limit, kinds, arrow, send, token_only, only
             )
         stop: ChangeToken | None = None
         try:
@@ -394,11 +396,11 @@ class ChangeRoutes(ScanRoutes):
             try:
                 if token_only:
                     after = await trio.to_thread.run_sync(
-                        history.locate, index, token, until, source, limit, stop
+                        history.locate, index, token, until, source, limit, stop, vbuckets
                     )
                 else:
                     records, after = await trio.to_thread.run_sync(
-                        history.read_records, index, token, until, source, limit, stop
+                        history.read_records, index, token, until, source, limit, stop, vbuckets
                     )
             except HistoryGoneError as exc:
                 raise ApiError(410, str(exc)) from None
@@ -487,6 +489,7 @@ class ChangeRoutes(ScanRoutes):
         arrow: bool,
         send: Send,
         token_only: bool,
+        only: VbucketFilter | None = None,
     ) -> int:
         """A snapshot start: every entry of the index at a mark, as inserts, from its first
         (`start` None) or after the entry of a token inside it; at most `limit` of them (a page
@@ -540,6 +543,7 @@ class ChangeRoutes(ScanRoutes):
                     until,
                     paged,
                     source,
+                    only,
                 )
             except HistoryGoneError as exc:
                 raise ApiError(410, str(exc)) from None
@@ -558,6 +562,9 @@ class ChangeRoutes(ScanRoutes):
                     ChangeToken(history.history_id, mark),
                     until,
                     source,
+                    None,
+                    None,
+                    None if only is None else only.vbuckets,
                 )
             answer = ChangeRows(index, history.history_id, rows, records)
             await self._send_rows(index, answer, kinds, arrow, meta, send)
@@ -597,6 +604,7 @@ class ChangeRoutes(ScanRoutes):
         until: int,
         paged: bool,
         source: Any,
+        only: VbucketFilter | None = None,
     ) -> tuple[SnapshotStart, bytes | None, str]:
         """The entries at `mark` (read from `found` if it is at the mark, else rebuilt from it),
         the last entry the read sends (None: to the start's end), and the token after it.
@@ -611,7 +619,7 @@ class ChangeRoutes(ScanRoutes):
         if paged:  # the history from the mark stays while pages come (and after a restart)
             history.hold(pages_lease(mark), ChangeToken(history.history_id, mark), PAGES_LEASE_S)
         if found.timestamp.seqnos == at.timestamp:
-            part = SnapshotStart(self.view.store, index, exact=found.store_snapshot)
+            part = SnapshotStart(self.view.store, index, exact=found.store_snapshot, only=only)
         elif history.latest is None or found.timestamp.seqnos != history.latest.timestamp:
             raise HistoryGoneError(
                 f"the snapshot start at {history.history_id}.{mark} changed under its reader "
@@ -626,6 +634,7 @@ class ChangeRoutes(ScanRoutes):
                 mark=mark,
                 until=latest,
                 source=source,
+                only=only,
             )
         end = ends.entry
         if limit is not None:

@@ -33,7 +33,7 @@ from indexer.client import (
     SNAPSHOT_HEADER,
     VBUCKETS_HEADER,
 )
-from indexer.cluster.map import vbucket_ranges
+from indexer.cluster.map import ClusterMapError, parse_vbuckets, vbucket_ranges
 from indexer.http.admin import AdminRoutes
 from indexer.http.wire import (
     ARROW,
@@ -62,6 +62,7 @@ from indexer.scans import (
     Bounds,
     EntryBatch,
     KeyRange,
+    VbucketFilter,
     after,
     column_kind,
     count_entries,
@@ -265,11 +266,29 @@ def serving_cores() -> int:
         return os.cpu_count() or 1
 
 
-def held_ranges(snap: StabilitySnapshot) -> list[str]:
-    """The vbuckets whose documents the snapshot holds, as "first-last" ranges."""
-    if not snap.held:
-        return [f"0-{len(snap.timestamp.seqnos) - 1}"]
-    return vbucket_ranges([vb for vb, flag in enumerate(snap.held) if flag])
+def held_ranges(snap: StabilitySnapshot, only: VbucketFilter | None = None) -> list[str]:
+    """The vbuckets whose documents the snapshot holds (of `only`'s: those an answer
+    holds), as "first-last" ranges."""
+    held = (
+        range(len(snap.timestamp.seqnos))
+        if not snap.held
+        else [vb for vb, flag in enumerate(snap.held) if flag]
+    )
+    if only is not None:
+        held = [vb for vb in held if vb in only.vbuckets]
+    return vbucket_ranges(held) if held else []
+
+
+def vbucket_filter(query: dict[str, str], num: int) -> VbucketFilter | None:
+    """The `vbuckets` parameter ("0-511,700"): answer only for documents of those vbuckets."""
+    text = query.get("vbuckets")
+    if text is None:
+        return None
+    try:
+        chosen = parse_vbuckets(text.split(",") if text else [], num, "vbuckets")
+    except ClusterMapError as exc:
+        raise ApiError(400, str(exc)) from None
+    return VbucketFilter(frozenset(chosen), num)
 
 
 class ScanRoutes(AdminRoutes):
@@ -473,6 +492,7 @@ class ScanRoutes(AdminRoutes):
         if most and not count_only and limit is not None and limit > most:
             self._too_many_rows(f"limit={limit} is over the {most} rows")
         bounds = self._range(index, query)
+        only = vbucket_filter(query, len(self.view.registry.owned))
         descending = _descending(query)
         offset = 0
         if "offset" in query:
@@ -499,28 +519,28 @@ class ScanRoutes(AdminRoutes):
             if not snap.is_open:
                 raise ApiError(410, "the snapshot was released")
             if most and not count_only and limit is None:
-                await self._check_rows(index, snap, bounds, most)
+                await self._check_rows(index, snap, bounds, most, only)
             meta = {
                 SNAPSHOT_HEADER: str(snap.number),
                 SEQNO_SUM_HEADER: str(snap.timestamp.total),
             }
             if snap.held:  # what a merged scan checks against the map it read
-                meta[VBUCKETS_HEADER] = ",".join(held_ranges(snap))
+                meta[VBUCKETS_HEADER] = ",".join(held_ranges(snap, only))
             standing = self.view.standing
             if standing is not None and standing.active is not None:
                 meta[ACTIVE_HEADER] = ",".join(vbucket_ranges(sorted(standing.active)))
             if count_only:
                 n = snap.entry_counts.get(index.definition.name)
-                if n is None or bounds != KeyRange():
+                if n is None or bounds != KeyRange() or only is not None:
                     n = await trio.to_thread.run_sync(
-                        count_entries, self.view.store, index, snap.store_snapshot, bounds
+                        count_entries, self.view.store, index, snap.store_snapshot, bounds, only
                     )
                 await _json(send, 200, {"count": n, "snapshot": snap.number}, meta)
                 return 0
             if limit is not None:  # a page: read whole first, so its last entry makes `next`
                 entries = await trio.to_thread.run_sync(
                     page, self.view.store, index, snap.store_snapshot, bounds, offset, limit,
-                    descending,
+                    descending, only,
                 )  # fmt: skip
                 if limit and len(entries) == limit:
                     meta[NEXT_HEADER] = self._next_token(
@@ -530,7 +550,7 @@ class ScanRoutes(AdminRoutes):
             else:
                 batches = entry_batches(
                     self.view.store, index, snap.store_snapshot, bounds, None, SCAN_CHUNK,
-                    reverse=descending, offset=offset,
+                    reverse=descending, offset=offset, only=only,
                 )  # fmt: skip
             chunks = _RowCount(batches)
             self.active_scans += 1
@@ -549,7 +569,12 @@ class ScanRoutes(AdminRoutes):
             snap.release()
 
     async def _check_rows(
-        self, index: StoredIndex, snap: StabilitySnapshot, bounds: Bounds, most: int
+        self,
+        index: StoredIndex,
+        snap: StabilitySnapshot,
+        bounds: Bounds,
+        most: int,
+        only: VbucketFilter | None = None,
     ) -> None:
         """413 before any row is sent when a scan without a limit would pass `most` rows:
         counted on the snapshot it reads, up to most + 1 entries (none when the whole index
@@ -558,7 +583,7 @@ class ScanRoutes(AdminRoutes):
         if total is not None and total <= most:
             return
         over = await trio.to_thread.run_sync(
-            more_than, self.view.store, index, snap.store_snapshot, bounds, most
+            more_than, self.view.store, index, snap.store_snapshot, bounds, most, only
         )
         if over:
             self._too_many_rows(f"the range holds more than the {most} rows")
@@ -646,6 +671,7 @@ class ScanRoutes(AdminRoutes):
                 SCAN_CHUNK,
                 docids=False,
                 decode=decoded_values(group_by, aggregates),
+                only=vbucket_filter(query, len(self.view.registry.owned)),
             )
             groups = aggregate(batches, group_by, aggregates)
             if ARROW in headers.get("accept", ""):

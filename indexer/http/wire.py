@@ -49,13 +49,13 @@ COUNT_PARAMS = (
 )
 
 ACTION_PARAMS = {
-    "scan": (*COUNT_PARAMS, "limit", "columns", "order", "offset", "next", "fields"),
-    "count": COUNT_PARAMS,
+    "scan": (*COUNT_PARAMS, "limit", "columns", "order", "offset", "next", "fields", "vbuckets"),
+    "count": (*COUNT_PARAMS, "vbuckets"),
     "splits": ("parts", *SNAPSHOT_PARAMS),
     "types": SNAPSHOT_PARAMS,
     "docs": SNAPSHOT_PARAMS,
-    "aggregate": (*COUNT_PARAMS, "group_by", "aggregates"),
-    "changes": ("since", "until", "limit", "columns", "wait", "only"),
+    "aggregate": (*COUNT_PARAMS, "group_by", "aggregates", "vbuckets"),
+    "changes": ("since", "until", "limit", "columns", "wait", "only", "vbuckets"),
 }
 
 ROUTE_PARAMS: tuple[str, ...] = ()

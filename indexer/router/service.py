@@ -67,6 +67,7 @@ class RouterOptions:
     parent_pipe: bool = False
     bulk_max_bytes: int = DEFAULT_MAX_BULK_BYTES  # of a POST /docs/_bulk body
     postgres: PostgresOptions | None = None  # a table followed through logical replication
+    ack_rule: str = "all"  # which owners of a vbucket a wait=visible request waits for
 
 
 async def read_jsonl_input(path: Path, follow: bool, appender: Appender) -> None:
@@ -186,7 +187,9 @@ class ClusterWatch:
 async def run_router(source: SourceLog, options: RouterOptions) -> None:
     """Run the router until SIGINT or SIGTERM; then close the connections and return."""
     highs = {vb: source.high_seqno(vb) for vb in source.vbuckets_with_history()}
-    appender = Appender(source, MutationManager(options.memory_bytes, high_seqnos=highs))
+    appender = Appender(
+        source, MutationManager(options.memory_bytes, high_seqnos=highs), options.ack_rule
+    )
     targets = list(options.targets)
     watch = ClusterWatch(options.cluster_map) if options.cluster_map is not None else None
     if watch is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from indexer.client import Access, ClientError, index_path, request
-from indexer.cluster.map import ClusterMap, ClusterMapError
+from indexer.cluster.map import ClusterMap, ClusterMapError, vbucket_ranges
 from indexer.spark.options import (
     DEFAULT_LEASE_S,
     DEFAULT_TIMEOUT_S,
@@ -152,6 +152,9 @@ class Target:
     node: str | None = None  # the node's name in the cluster map
     vbuckets: frozenset[int] | None = None  # the node's slice (None: every vbucket)
     access: Access = dataclasses.field(default_factory=Access, repr=False)
+    # Where the node holds other vbuckets too (replicas, moves): its slice, as a scan's
+    # `vbuckets` parameter, so that its answers leave the others out.
+    answers: str | None = None
 
     def say(self, message: str) -> str:
         """`message` naming the node it is about, if it is one."""
@@ -189,7 +192,13 @@ def cluster_targets(
                 f"(0-{cluster.num_vbuckets - 1})"
             )
     return [
-        Target(n.base_url(access.tls), n.name, frozenset(n.vbuckets), access)
+        Target(
+            n.base_url(access.tls),
+            n.name,
+            frozenset(n.vbuckets),
+            access,
+            None if n.receives == n.vbuckets else ",".join(vbucket_ranges(n.vbuckets)),
+        )
         for n in cluster.active_nodes
     ]
 

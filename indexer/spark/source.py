@@ -80,6 +80,7 @@ class IndexerPartition(InputPartition):
         empty: bool = False,
         url: str | None = None,
         node: str | None = None,
+        vbuckets: str | None = None,
     ) -> None:
         super().__init__(number)
         self.number = number
@@ -90,6 +91,7 @@ class IndexerPartition(InputPartition):
         self.empty = empty
         self.url = url  # the daemon to read (None: the url option's)
         self.node = node  # its name in the cluster map
+        self.vbuckets = vbuckets  # those it answers for, where it holds others too
 
 
 class IndexerDataSource(DataSource):
@@ -313,7 +315,13 @@ class IndexerReader(DataSourceReader):
                 cut = intersect(r, wanted)
                 if cut is not None:
                     part = IndexerPartition(
-                        len(out), cut.start, cut.stop, pin_ids[i], url=target.url, node=target.node
+                        len(out),
+                        cut.start,
+                        cut.stop,
+                        pin_ids[i],
+                        url=target.url,
+                        node=target.node,
+                        vbuckets=target.answers,
                     )
                     out.append(part)
             if len(out) == before and made:
@@ -340,11 +348,14 @@ class IndexerReader(DataSourceReader):
     def _count(self, target: Target, pin_id: str) -> int:
         """The index's entries on `target` at its pin."""
         path = index_path(self.options.index, "count")
+        params = {"pin": pin_id}
+        if target.answers is not None:
+            params["vbuckets"] = target.answers
         answer = _json_call(
             "GET",
             target.url,
             path,
-            params={"pin": pin_id},
+            params=params,
             timeout=self.options.timeout,
             access=target.access,
         )
@@ -399,6 +410,8 @@ class IndexerReader(DataSourceReader):
         assert url is not None
         target = Target(url, part.node)
         params: dict[str, Any] = {"pin": part.pin, "order": options.order}
+        if part.vbuckets is not None:
+            params["vbuckets"] = part.vbuckets
         if part.start is not None:
             params["start"] = part.start.hex()
         if part.stop is not None:

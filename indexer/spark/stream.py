@@ -216,6 +216,8 @@ class FeedReads:
         """The token after a read of a daemon's feed, and the open response (Arrow)."""
         options = self.options
         params = {**params, "columns": ",".join(server_kinds(self.columns, len(self.keys)))}
+        if target.answers is not None:  # the node holds others' vbuckets too
+            params["vbuckets"] = target.answers
         try:
             response = _http(
                 "GET",

@@ -146,6 +146,33 @@ def test_wait_visible_with_the_node_down_times_out_with_504_and_keeps_the_lines(
     assert HTTP.get(f"{url}/stats").json()["bulk"]["timeouts"] == 1
 
 
+def test_wait_visible_by_the_majority_rule_answers_with_one_of_three_owners_down(
+    daemon_factory: Any, routers: Any, tmp_path: Path
+) -> None:
+    # Three nodes that each receive every vbucket: its three owners. One is stopped.
+    daemons = [daemon_factory().start() for _ in range(3)]
+    router = routers(
+        "--state", str(tmp_path / "state"), *(a for d in daemons for a in ("--to", d.address)),
+        "--http", "127.0.0.1:0", "--ack", "majority",
+    )  # fmt: skip
+    url = router.wait_url()
+    for daemon in daemons:
+        router.wait_log(rf"{daemon.address}.*connected; resuming")
+    assert daemons[2].stop() == 0
+    documents = [Document(f"m{i}", {"age": i, "address": {"city": "Oslo"}}) for i in range(200)]
+    answer = HTTP.post(
+        f"{url}/docs/_bulk",
+        content=bulk_body(documents),
+        params={"wait": "visible", "timeout": "20"},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text  # two of the three owners read it
+    for daemon in daemons[:2]:
+        assert scan(daemon, "by_age", "any") == model(documents, INDEXES["by_age"])
+    daemons[2].start()  # the third catches up from the router's log
+    wait_equal(daemons[2], documents)
+
+
 def test_bulk_refusals_name_the_limit_the_parameter_and_the_token(
     daemon_factory: Any, routers: Any, tmp_path: Path
 ) -> None:

@@ -115,3 +115,24 @@ async def test_a_wait_for_a_vbucket_no_node_streams_times_out_saying_so() -> Non
     visibility.connected("a", [1])
     lagging = await visibility.wait({1: 0, 7: 3}, 0.05)
     assert lagging == ["1 vbucket that no node streams yet"]
+
+
+def test_the_ack_rule_waits_for_all_owners_of_a_vbucket_or_a_majority() -> None:
+    def three_owners(rule: str) -> Visibility:
+        visibility = Visibility(lambda: None, rule)
+        for name in ("a", "b", "c"):  # vbucket 1's active node and its two replicas
+            visibility.connected(name, [1])
+        visibility.connected("d", [2])  # vbucket 2's only owner
+        return visibility
+
+    every, most = three_owners("all"), three_owners("majority")
+    for visibility in (every, most):
+        visibility.answered("a", reply(1, v1=9))
+        assert visibility.behind({1: 9}) == ["b", "c"]  # one of three is no majority
+        visibility.answered("b", reply(1, v1=9))
+        visibility.answered("d", reply(1, v2=3))
+    assert every.behind({1: 9, 2: 3}) == ["c"]  # c is down, say: all waits for it
+    assert most.behind({1: 9, 2: 3}) == []  # two of three read it
+    assert most.behind({1: 9, 2: 4}) == ["d"]  # of one owner, the majority is that one
+    with pytest.raises(ValueError, match="ack rule"):
+        Visibility(lambda: None, "most")

@@ -744,11 +744,53 @@ def test_the_map_in_etcd_reads_as_the_map_file(spark: SparkSession, cluster: Clu
         want = model(cluster.documents, INDEXES["by_city"])
         got = as_entries(read(spark, cluster=url, index="by_city"), INDEXES["by_city"])
         assert sorted(got, key=row_order) == want
+        # Node a's daemon as two nodes, each active for half its vbuckets and a replica of
+        # the other half: each node's reads leave its replicas out, so no row comes twice.
+        split = server.url("indexer/replicas")
+        a, b = cluster.nodes["a"], cluster.nodes["b"]
+        layout = {"num_vbuckets": 1024, "nodes": {
+            "a1": {"feed": a.address, "http": f"127.0.0.1:{a.http_port}", "vbuckets": ["0-255"],
+                   "replicas": ["256-511"]},
+            "a2": {"feed": a.address, "http": f"127.0.0.1:{a.http_port}",
+                   "vbuckets": ["256-511"], "replicas": ["0-255"]},
+            "b": {"feed": b.address, "http": f"127.0.0.1:{b.http_port}", "vbuckets": ["512-1023"]},
+        }}  # fmt: skip
+        replicated = cluster.map.with_name("replicated.toml")
+        replicated.write_text(toml_text(layout))
+        done = subprocess.run(
+            indexer_command("cluster", "init", "--cluster", split, "--from", str(replicated)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        got = as_entries(read(spark, cluster=split, index="by_city"), INDEXES["by_city"])
+        assert sorted(got, key=row_order) == want
+        for args in (["scan", "by_city"], ["changes", "by_city", "--limit", "1000"]):
+            done = subprocess.run(
+                indexer_command(*args, "--cluster", split),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, done.stderr
+            rows = [json.loads(line) for line in done.stdout.splitlines()]
+            entries = [{k: r[k] for k in ("key", "id", "missing") if k in r} for r in rows]
+            assert sorted(entries, key=row_order) == want, args
         with pytest.raises(Exception) as raised:
             read(spark, cluster=server.url("indexer/none"), index="by_city").collect()
         assert "no cluster map yet" in error_message(raised.value)
     finally:
         server.stop()
+
+
+def toml_text(layout: dict[str, Any]) -> str:
+    """A cluster map's tables as a TOML file."""
+    lines = [f"num_vbuckets = {layout['num_vbuckets']}"]
+    for name, table in layout["nodes"].items():
+        lines.append(f"[nodes.{name}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in table.items()]
+    return "\n".join(lines) + "\n"
 
 
 def test_a_stream_over_a_cluster_map_reads_each_nodes_changes_once(

@@ -36,7 +36,7 @@ class Appender:
     """Appends documents to the source log, then to the Mutation Manager, one batch at a time,
     and wakes who waits for more."""
 
-    def __init__(self, source: SourceLog, mm: MutationManager) -> None:
+    def __init__(self, source: SourceLog, mm: MutationManager, ack_rule: str = "all") -> None:
         self.source = source
         self.mm = mm
         self.recent = RecentDocuments()
@@ -46,7 +46,8 @@ class Appender:
         self.input_waiting = False  # an input has more to append than it has read
         self.expired = 0  # documents deleted by the expiry pager
         self.foreign = 0  # input documents of other routers' vbuckets, left to them
-        self.visibility = Visibility(self.wake)  # what the nodes can read (wait=visible)
+        # What the nodes can read (wait=visible), and which of a vbucket's owners it waits for.
+        self.visibility = Visibility(self.wake, ack_rule)
 
     def next_change(self) -> trio.Event:
         """The event the next append sets."""

@@ -3,7 +3,10 @@
 A bulk request with `wait=visible` registers the seqnos it appended and wakes the node streams.
 A node stream with everything sent and someone waiting sends a barrier; the node answers it
 once everything sent before it is in a readable snapshot, with the seqnos that covers per
-vbucket. The request is answered when every node that streams one of its vbuckets can read it.
+vbucket. The request is answered when the owners of each of its vbuckets can read it: by the
+ack rule, every node that streams the vbucket (`all`, the default: its active node and its
+replicas), or more than half of them (`majority`: a dead or stopped replica does not hold the
+answer up, and a failover to any of the others loses none of it; docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 import trio
 
 from indexer import protocol as p
+
+ACK_RULES = ("all", "majority")  # which owners of a vbucket a wait=visible request waits for
 
 
 class NodeReadable:
@@ -27,8 +32,11 @@ class NodeReadable:
 class Visibility:
     """What the nodes can read, by consumer name, and how many requests wait for more."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(self, wake: Callable[[], None], rule: str = "all") -> None:
+        if rule not in ACK_RULES:
+            raise ValueError(f"ack rule: {rule!r} is not one of {', '.join(ACK_RULES)}")
         self.wake = wake  # the node streams' wake-up (the appender's)
+        self.rule = rule  # which owners of a vbucket must read it: all, or a majority
         self.nodes: dict[str, NodeReadable] = {}
         self.waiting = 0
         self.generation = 0  # moves at every new wait: a barrier sent before it is not enough
@@ -53,20 +61,28 @@ class Visibility:
         self._notify()
 
     def behind(self, targets: Mapping[int, int]) -> list[str]:
-        """What stands between `targets` and being readable: a node that cannot read them yet,
-        or a vbucket no node streams. Empty when every node that streams them can."""
-        lagging = []
-        covered: set[int] = set()
+        """What stands between `targets` and being readable: nodes that cannot read them yet
+        where the ack rule needs them, or a vbucket no node streams. Empty when the rule's
+        owners of every vbucket can."""
+        owners: dict[int, list[str]] = {vb: [] for vb in targets}
+        late: dict[int, list[str]] = {vb: [] for vb in targets}
         for name, node in sorted(self.nodes.items()):
-            mine = [vb for vb in targets if vb in node.vbuckets]
-            covered.update(mine)
-            if any(node.readable.get(vb, 0) < targets[vb] for vb in mine):
-                lagging.append(name)
-        unstreamed = len(set(targets) - covered)
+            for vb in targets:
+                if vb in node.vbuckets:
+                    owners[vb].append(name)
+                    if node.readable.get(vb, 0) < targets[vb]:
+                        late[vb].append(name)
+        lagging: set[str] = set()
+        for vb, names in owners.items():
+            need = len(names) if self.rule == "all" else len(names) // 2 + 1
+            if len(names) - len(late[vb]) < need:
+                lagging.update(late[vb])
+        unstreamed = sum(1 for names in owners.values() if not names)
+        found = sorted(lagging)
         if unstreamed:
             plural = "s" if unstreamed != 1 else ""
-            lagging.append(f"{unstreamed} vbucket{plural} that no node streams yet")
-        return lagging
+            found.append(f"{unstreamed} vbucket{plural} that no node streams yet")
+        return found
 
     async def wait(self, targets: Mapping[int, int], timeout_s: float) -> list[str]:
         """Wait until every node that streams the targets' vbuckets can read them; what still
