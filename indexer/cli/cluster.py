@@ -299,7 +299,7 @@ def status(where: str, as_json: bool) -> None:
         return
     click.echo(
         f"{where}: map revision {revision}, {found.num_vbuckets} vbuckets, "
-        f"{found.num_replicas} replicas of each"
+        f"{found.num_replicas} {'replica' if found.num_replicas == 1 else 'replicas'} of each"
     )
     if found.moves:
         click.echo(f"  a rebalance is in progress: {len(found.moves)} vbuckets moving")
