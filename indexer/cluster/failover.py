@@ -29,7 +29,8 @@ from indexer.cluster.store import EtcdMap
 
 log = logging.getLogger("indexer.cluster")
 
-GRACE_S = 1.0  # how long a node's registration stays gone before its replicas take over
+IDLE_CHECK_S = 30.0  # with every node registered, the registrations are read again this often
+GRACE_S = 0.5  # how long a node's registration stays gone before its replicas take over
 Seqnos = Mapping[str, list[int] | None]  # node -> its readable snapshot's seqnos (None: unknown)
 
 
@@ -86,6 +87,7 @@ async def watch_for_failover(
     etcd_map = EtcdMap(location)
     missing_since: dict[str, float] = {}
     while True:
+        wait_s = 1.0  # etcd did not answer: soon again
         try:
             cluster, _ = await trio.to_thread.run_sync(etcd_map.read)
             live = set(await trio.to_thread.run_sync(etcd_map.registered))
@@ -98,9 +100,11 @@ async def watch_for_failover(
                     # being written again (a restart of the node).
                     if now - since >= min(ttl_s, GRACE_S):
                         await _take_over(etcd_map, name, failed, live, token, ssl_context)
+            # A registration that goes is an event; a node missing now is looked at again soon.
+            wait_s = GRACE_S / 2 if missing_since else IDLE_CHECK_S
         except (ClusterMapError, EtcdError) as exc:
             log.warning("failover watch: %s", exc)
-        await _next_change(location, max(0.5, ttl_s / 4))
+        await _next_change(location, wait_s)
 
 
 async def _take_over(

@@ -50,8 +50,8 @@ class ClusterStanding:
     def map_read(self, active: frozenset[int], read_at: float) -> None:
         """The map, read at `read_at` (monotonic), makes it active for `active`."""
         self.active = active
-        if self.lease_lost and read_at >= self.registered_at > 0:
-            self.lease_lost = False
+        if read_at >= self.registered_at and self.reread.is_set():
+            self.lease_lost = False  # the map read since it registered again says what it is
             self.reread = trio.Event()
 
     def fenced(self) -> str | None:

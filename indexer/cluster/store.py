@@ -258,7 +258,7 @@ def scan_the_cluster(
             stack.close()
             if time.monotonic() >= deadline:
                 raise
-            time.sleep(0.5)
+            time.sleep(0.2)
             continue
         with stack:
             yield rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import pytest
 
@@ -25,6 +26,7 @@ from indexer.cluster.map import (
     parse_cluster_map,
     vbucket_ranges,
 )
+from indexer.cluster.standing import ClusterStanding
 from indexer.cluster.store import handed_over, map_document, planned, rebalanced
 
 
@@ -244,3 +246,23 @@ def test_a_bad_building_list_is_refused_with_its_key() -> None:
         else:
             with pytest.raises(ClusterMapError, match=message):
                 cluster_map_from(raw, "m")
+
+
+def test_a_node_that_lost_its_lease_is_fenced_until_it_has_read_the_map_again() -> None:
+    standing = ClusterStanding("a", ttl_s=2)
+    assert standing.fenced() is None
+    standing.registered_again()  # the first registration asks for a read of the map too
+    standing.map_read(frozenset({1, 2}), time.monotonic())
+    assert not standing.reread.is_set() and standing.fenced() is None  # asked once, not again
+    # Stopped past its lease: it did not even try to renew, so it cannot tell.
+    standing.alive_at = standing.tried_at = time.monotonic() - 5
+    assert "has not renewed its cluster lease" in (standing.fenced() or "")
+    standing.tried()  # etcd does not answer: it goes on with the map it has
+    assert standing.fenced() is None
+    standing.lost()  # etcd says the lease is gone
+    assert "lost its cluster lease" in (standing.fenced() or "")
+    standing.map_read(frozenset({1, 2}), time.monotonic())  # not registered again yet
+    assert standing.fenced() is not None
+    standing.registered_again()
+    standing.map_read(frozenset(), time.monotonic())
+    assert standing.fenced() is None and standing.active == frozenset()

@@ -11,6 +11,7 @@ import datetime
 import json
 import math
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from examples import spark_load
 from indexer.router.documents import Document
 from indexer.spark import error_message
 from tests.e2e.conftest import scan
-from tests.harness import Daemon, Router, free_port, http, model
+from tests.harness import Daemon, Etcd, Router, free_port, http, indexer_command, model
 from tests.spark.stream_driver import shared_session
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
@@ -269,6 +270,63 @@ def test_a_bad_row_fails_the_job_with_its_id_and_reason_unless_skipped(
     with pytest.raises(Exception) as failed:
         write(nan, node.url)
     assert "NaN and Infinity have no JSON form" in error_message(failed.value)
+
+
+def test_a_write_and_a_read_through_a_cluster_in_etcd_equal_the_model(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Two nodes with a replica of each vbucket, on etcd: the writer posts to a router that
+    follows the map, and a read with the `cluster` option gets every row once."""
+    etcd = Etcd().start()
+    url = etcd.url("indexer/writer")
+    indexes = "".join(f"[indexes.{n}]\nkeys = {keys!r}\n" for n, keys in INDEXES.items())
+    nodes = {n: Daemon.in_workdir(tmp_path / n, indexes.replace("'", '"')) for n in ("a", "b")}
+    router = None
+    try:
+        lines = ["num_vbuckets = 1024"]
+        for name, daemon in nodes.items():
+            daemon.port, daemon.http_port = free_port(), free_port()
+            vbuckets = '["0-1023"]' if name == "a" else "[]"
+            lines += [
+                f"[nodes.{name}]",
+                f'feed = "{daemon.address}"',
+                f'http = "127.0.0.1:{daemon.http_port}"',
+                f"vbuckets = {vbuckets}",
+            ]
+        start = tmp_path / "cluster.toml"
+        start.write_text("\n".join(lines) + "\n")
+
+        def cli(*args: str) -> None:
+            done = subprocess.run(
+                indexer_command(*args), capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 0, done.stderr
+
+        cli("cluster", "init", "--cluster", url, "--from", str(start))
+        for name, daemon in nodes.items():
+            daemon.args = ["--cluster", url, "--node", name]
+            daemon.start()
+        cli("cluster", "rebalance", "--cluster", url, "--replicas", "1")
+        router = Router(
+            tmp_path / "router.log", "--state", str(tmp_path / "state"), "--cluster", url,
+            "--http", f"127.0.0.1:{free_port()}",
+        )  # fmt: skip
+        router_url = router.wait_url()
+        router.wait_log(r"connected; resuming", count=2)
+        rows = people(range(0, 3000), 5, deletes=1)
+        write(spark.createDataFrame(rows), router_url, delete="deleted", wait="visible")
+        documents = [expected(row) for row in rows]
+        for name, paths in INDEXES.items():
+            read = spark.read.format("indexer").option("cluster", url).option("index", name)
+            read = read.option("snapshot", "stable")  # what wait=visible made readable
+            got = sorted(row["id"] for row in read.load().select("id").collect())
+            assert got == sorted(r["id"] for r in model(documents, paths)), name
+    finally:
+        if router is not None:
+            router.kill()
+        for daemon in nodes.values():
+            daemon.kill()
+        etcd.stop()
 
 
 @pytest.mark.parametrize(
