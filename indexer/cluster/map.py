@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import logging
 import re
 import ssl
+import time
 import tomllib
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -46,8 +48,9 @@ from typing import Any
 import msgspec
 
 from indexer.client import index_path
-from indexer.keys import MISSING, encode_key
+from indexer.keys import MISSING, encode_key, entry_tail
 
+log = logging.getLogger("indexer.cluster")
 NODE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
 
@@ -416,19 +419,27 @@ def scan_cluster(
     *,
     token: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    follow: Callable[[], ClusterMap] | None = None,
+    failover_wait_s: float = 0.0,
+    transport: Any = None,
 ) -> Iterator[Iterator[dict[str, Any]]]:
     """Every active node's scan of `index` with the same parameters, merged in index order.
 
     All nodes are asked at once and read as the merge needs them (each node streams its rows in
     order, so the merge holds one row per node). `limit` is applied to the merged rows too.
     `token` goes to every node as a bearer token; with `ssl_context` the nodes are asked over
-    HTTPS and their certificates checked with it.
+    HTTPS and their certificates checked with it (`transport`: httpx's, for its socket options).
 
     Each vbucket is read from the one node the map gives it to, whatever else nodes hold: a
     node's answer says which vbuckets its snapshot holds (VBUCKETS_HEADER). Rows of the others
     (moving to it in a rebalance, or given up since the map was read) are left out, and a node
     that no longer holds all of its own raises ClusterMapMoved. So a scan during a rebalance
     neither misses nor repeats a row.
+
+    With `follow` (the map as it is now), a node that fails while it streams is taken over:
+    once the map makes other nodes active for its vbuckets (a failover, within
+    `failover_wait_s`), they are asked for those vbuckets' rows after the last one it sent, and
+    the scan goes on with every row once. A scan of `spans` fails instead.
     """
     import httpx
 
@@ -438,11 +449,12 @@ def scan_cluster(
     # Plain HTTP checks no certificate: loading the CA bundle would cost more than a small scan.
     verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else False
     num = cluster.num_vbuckets
+    reverse = params.get("order") == "desc"
     with (
-        httpx.Client(timeout=timeout, headers=headers, verify=verify) as client,
+        httpx.Client(timeout=timeout, headers=headers, verify=verify, transport=transport)
+        as client,
         ExitStack() as stack,
-    ):
-        streams: list[Iterator[dict[str, Any]]] = []
+    ):  # fmt: skip
         desc: tuple[bool, ...] = ()
 
         def open_scan(node: ClusterNode, asked: dict[str, Any]) -> httpx.Response:
@@ -458,21 +470,13 @@ def scan_cluster(
                 raise error(f"node {node.name} ({base}): HTTP {response.status_code}: {message}")
             return response
 
-        for node in cluster.active_nodes:
-            if not node.vbuckets:  # added, and nothing handed over to it yet
-                continue
-            base = node.base_url(ssl_context is not None)
-            if not streams:  # the order of the index's keys, to merge the nodes' rows by
-                try:
-                    described = client.get(base + index_path(index))
-                except httpx.HTTPError as exc:
-                    raise ClusterNodeDown(f"node {node.name} ({base}): {exc}") from None
-                if described.status_code == 200:
-                    desc = tuple(k.endswith(" DESC") for k in described.json().get("keys", ()))
-            mine = frozenset(node.vbuckets)
+        def node_rows(
+            node: ClusterNode, mine: frozenset[int], params: dict[str, Any]
+        ) -> Iterator[dict[str, Any]]:
+            """The node's rows of `mine`, checked against what it says it holds."""
             asked = params
-            if node.receives != node.vbuckets:  # it holds others too: it leaves them out
-                asked = {**params, "vbuckets": ",".join(vbucket_ranges(node.vbuckets))}
+            if set(node.receives) != mine:  # it holds others too: it leaves them out
+                asked = {**params, "vbuckets": ",".join(vbucket_ranges(sorted(mine)))}
             while True:
                 response = open_scan(node, asked)
                 held = _ranges(response.headers.get(VBUCKETS_HEADER), mine, num)
@@ -494,9 +498,75 @@ def scan_cluster(
                     continue
                 break
             rows = ndjson_rows(response.iter_lines())
-            if held - mine:  # only its own count here
-                rows = answered_for(rows, mine, num)
-            streams.append(rows)
-        merged = merge_rows(streams, desc, params.get("order") == "desc")
+            return answered_for(rows, mine, num) if held - mine else rows
+
+        def taken_over(
+            node: ClusterNode, mine: frozenset[int], rows: Iterator[dict[str, Any]]
+        ) -> Iterator[dict[str, Any]]:
+            """`rows`, and if the node fails part way, the rest from the nodes replacing it."""
+            last: dict[str, Any] | None = None
+            try:
+                for row in rows:
+                    last = row
+                    yield row
+                return
+            except httpx.HTTPError as exc:
+                failure = f"node {node.name} failed during the scan: {exc}"
+                if follow is None or "spans" in params:
+                    raise ClusterScanError(failure) from None
+            rest = {k: v for k, v in params.items() if k != "limit"}  # the merge counts rows
+            if last is not None:
+                entry = row_order(last, desc)[0] + entry_tail(str(last["id"]).encode())
+                if reverse:
+                    given = bytes.fromhex(rest.get("stop", "")) or None
+                    rest["stop"] = (entry if given is None else min(entry, given)).hex()
+                else:
+                    after = entry + b"\x00"  # the first entry after it
+                    rest["start"] = max(after, bytes.fromhex(rest.get("start", ""))).hex()
+            deadline = time.monotonic() + failover_wait_s
+            while True:
+                now = follow()
+                owners = {
+                    n: frozenset(mine & set(n.vbuckets))
+                    for n in now.active_nodes
+                    if n.name != node.name and mine & set(n.vbuckets)
+                }
+                if set().union(*owners.values()) == mine:
+                    log.warning(
+                        "%s; %s answer the rest of its %d vbuckets",
+                        failure,
+                        ", ".join(n.name for n in owners),
+                        len(mine),
+                    )
+                    try:
+                        parts = [
+                            (n, share, node_rows(n, share, rest)) for n, share in owners.items()
+                        ]
+                    except ClusterScanError as exc:
+                        failure = f"{failure}; then {exc}"
+                    else:
+                        resumed = [taken_over(n, share, part) for n, share, part in parts]
+                        yield from merge_rows(resumed, desc, reverse)
+                        return
+                if time.monotonic() >= deadline:
+                    raise ClusterScanError(
+                        f"{failure}; no other node became active for its vbuckets within "
+                        f"{failover_wait_s:g} s"
+                    )
+                time.sleep(0.2)
+
+        streams: list[Iterator[dict[str, Any]]] = []
+        for node in cluster.active_nodes:
+            base = node.base_url(ssl_context is not None)
+            if not streams:  # the order of the index's keys, to merge the nodes' rows by
+                try:
+                    described = client.get(base + index_path(index))
+                except httpx.HTTPError as exc:
+                    raise ClusterNodeDown(f"node {node.name} ({base}): {exc}") from None
+                if described.status_code == 200:
+                    desc = tuple(k.endswith(" DESC") for k in described.json().get("keys", ()))
+            mine = frozenset(node.vbuckets)
+            streams.append(taken_over(node, mine, node_rows(node, mine, params)))
+        merged = merge_rows(streams, desc, reverse)
         limit = params.get("limit")
         yield merged if limit is None else islice(merged, int(limit))

@@ -231,13 +231,17 @@ def scan_the_cluster(
     token: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
     failover_wait_s: float | None = None,
+    transport: Any = None,
 ) -> Iterator[Iterator[dict[str, Any]]]:
     """`scan_cluster` on the map at `where` as it is now, read again and scanned again while a
     rebalance hands vbuckets over under it (ClusterMapMoved comes before any row). In a cluster
     in etcd a node that does not answer is waited for until its replicas take over, for at most
-    `failover_wait_s` (default: twice the lease's TTL and 5 s); a map file has no failover."""
+    `failover_wait_s` (default: twice the lease's TTL and 5 s), and one that fails while it
+    streams is taken over by its replicas from its last row on; a map file has no failover."""
+    in_etcd = str(where).startswith("etcd:")
     if failover_wait_s is None:
-        failover_wait_s = 2 * NODE_TTL_S + 5 if str(where).startswith("etcd:") else 0.0
+        failover_wait_s = 2 * NODE_TTL_S + 5 if in_etcd else 0.0
+    follow = (lambda: load_map(where)) if in_etcd else None
     deadline = time.monotonic() + failover_wait_s
     attempt = 0
     while True:
@@ -245,7 +249,17 @@ def scan_the_cluster(
         stack = ExitStack()
         try:
             rows = stack.enter_context(
-                scan_cluster(cluster, index, params, timeout, token=token, ssl_context=ssl_context)
+                scan_cluster(
+                    cluster,
+                    index,
+                    params,
+                    timeout,
+                    token=token,
+                    ssl_context=ssl_context,
+                    follow=follow,
+                    failover_wait_s=failover_wait_s,
+                    transport=transport,
+                )
             )
         except ClusterMapMoved:
             stack.close()
