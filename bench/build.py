@@ -35,10 +35,11 @@ indexes `by_city(address.city, age)` and `by_age(age)`) and `indexer router`.
 2. Scan fan-out. A cluster map gives vbuckets 0-511 to daemon `a` and 512-1023 to daemon `b`
    (`indexer serve --cluster-map F --node NAME`); `indexer router --cluster-map F` loads the N
    documents into both, then `indexer router --to` loads them into a third daemon alone. Timed,
-   best of 3, interleaved: `indexer.cluster.scan_cluster(map, "by_city", {"consistency": "any"})`
-   reading every merged row over the 2 nodes; an NDJSON scan of the single node (httpx stream,
-   newlines counted); and `scan_cluster` over a one-node map of the single node (the same client
-   code: JSON parsing and the merge's key encoding, without a second node); and, for what the
+   best of 3, interleaved: `indexer.cluster.scan.scan_cluster(map, "by_city",
+   {"consistency": "any"})` reading every merged row over the 2 nodes; an NDJSON scan of the
+   single node (httpx stream, newlines counted); and `scan_cluster` over a one-node map of the
+   single node (the same client code: JSON parsing, without a second node to merge with); and,
+   for what the
    two nodes can serve, both nodes' NDJSON scans at once in two threads, newlines counted, no
    merge. Reported: rows/s and the ratios.
 

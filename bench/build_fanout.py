@@ -21,7 +21,8 @@ from common import (  # bench/common.py: run as `python bench/...`
     write_cluster_map,
 )
 
-from indexer.cluster.map import load_cluster_map, scan_cluster
+from indexer.cluster.map import load_cluster_map
+from indexer.cluster.scan import scan_cluster
 
 SCAN_INDEX = "by_city"
 SCAN_REPEATS = 3

@@ -34,8 +34,9 @@ import psutil
 from common import Daemon, Router, free_port, in_workdir, ratio, say  # bench/common.py
 
 from indexer.cluster.etcd import EtcdLocation
-from indexer.cluster.map import ClusterMap, ClusterNode, load_cluster_map, scan_cluster
-from indexer.cluster.store import EtcdMap, scan_the_cluster
+from indexer.cluster.map import ClusterMap, ClusterNode, load_cluster_map
+from indexer.cluster.scan import scan_cluster, scan_the_cluster
+from indexer.cluster.store import EtcdMap
 from indexer.router import Workload, generate
 from indexer.router.documents import vbucket_of
 from tests.harness import Etcd, indexer_command, jsonl_lines

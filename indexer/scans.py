@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from itertools import chain, islice
+from dataclasses import dataclass, field
+from itertools import chain, compress, islice
 from typing import Any
 
 import numpy as np
@@ -60,12 +59,56 @@ class VbucketFilter:
     num: int
 
     def entries(self, entries: Iterator[bytes]) -> Iterator[bytes]:
-        keep, num = self.vbuckets, self.num
-        for entry in entries:
-            # The docid is found by the entry's tail (keys.entry_tail): its length, last.
-            n = (entry[-2] << 8) | entry[-1]
-            if zlib.crc32(entry[-2 - n : -2]) % num in keep:
-                yield entry
+        while batch := list(islice(entries, FILTER_BATCH)):
+            yield from self.kept(batch)
+
+    def kept(self, batch: list[bytes]) -> list[bytes]:
+        """The entries of `batch` in these vbuckets, hashed at once (`entry_vbuckets`)."""
+        keep = np.zeros(self.num, np.bool_)
+        keep[list(self.vbuckets)] = True
+        return list(compress(batch, keep[entry_vbuckets(batch, self.num)].tolist()))
+
+
+FILTER_BATCH = 4096  # entries a vbucket filter reads ahead and hashes at once
+
+
+def _crc32_table() -> np.ndarray:
+    """zlib's CRC-32 (reflected, polynomial 0xEDB88320) of each byte value."""
+    table = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ np.uint32(0xEDB88320), table >> 1)
+    return table.astype(np.uint32)
+
+
+CRC32_TABLE = _crc32_table()
+
+
+def entry_vbuckets(entries: Sequence[bytes], num: int) -> np.ndarray:
+    """The vbucket of each main-index entry's document, `zlib.crc32(docid) % num`, for a batch
+    at once: the docid is found by the entry's tail (keys.entry_tail), and the CRC runs a byte
+    position at a time over every entry still that long, so no Python runs per entry."""
+    n = len(entries)
+    whole = pa.array(entries, pa.binary())
+    _, offsets_buffer, data_buffer = whole.buffers()
+    offsets = np.frombuffer(offsets_buffer, np.int32, n + 1)
+    data = np.frombuffer(data_buffer, np.uint8, int(offsets[-1])) if n else np.zeros(0, np.uint8)
+    ends = offsets[1:]
+    if n and (ends - offsets[:-1] < 2).any():
+        raise KeyEncodingError("a main-index entry is shorter than its docid length")
+    lengths = (data[ends - 2].astype(np.int32) << 8) | data[ends - 1]
+    starts = ends - 2 - lengths
+    if n and (starts < offsets[:-1]).any():
+        raise KeyEncodingError("a main-index entry is shorter than its docid length says")
+    crc = np.full(n, 0xFFFFFFFF, np.uint32)
+    for at in range(int(lengths.max()) if n else 0):
+        longer = lengths > at
+        if longer.all():
+            crc = CRC32_TABLE[(crc ^ data[starts + at]) & 0xFF] ^ (crc >> 8)
+        else:
+            rows = np.nonzero(longer)[0]
+            part = crc[rows]
+            crc[rows] = CRC32_TABLE[(part ^ data[starts[rows] + at]) & 0xFF] ^ (part >> 8)
+    return (crc ^ np.uint32(0xFFFFFFFF)) % np.uint32(num)
 
 
 def merge_spans(ranges: Sequence[KeyRange]) -> tuple[KeyRange, ...]:
@@ -358,11 +401,13 @@ class EntryBatch:
 
     Row i has docid `docids[i]` and key `keys[codes[i]]`; `keys` holds each distinct key of the
     batch once, decoded, so JSON texts and columns are built per key rather than per row.
+    `collations[codes[i]]` is row i's key as the index orders it, encoded (empty for runs).
     """
 
     docids: pa.StringArray
     codes: pa.Int32Array
     keys: list[list[Any]]
+    collations: list[bytes] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.codes)
@@ -391,13 +436,20 @@ def entry_batches(
     """
     cut = len(index.main_prefix)
     count = len(index.definition.keys)
-    entries = _entries(store, index, snapshot, bounds, limit, reverse, only)
+    # A whole scan filters each batch read at once; one with a limit or an offset counts the
+    # entries of its vbuckets one by one.
+    whole = only is not None and limit is None and not offset
+    entries = _entries(store, index, snapshot, bounds, limit, reverse, None if whole else only)
     if offset:
         entries = islice(entries, offset, None)
     desc = index.definition.desc
     if decode is not None and docids:
         raise ValueError("entry_batches: decode= gives runs without docids (docids=False)")
     while entries_of_batch := list(islice(entries, chunk)):
+        if whole and only is not None:
+            entries_of_batch = only.kept(entries_of_batch)
+            if not entries_of_batch:
+                continue
         if decode is not None:
             yield _runs(entries_of_batch, cut, min(decode, count), desc)
         else:
@@ -422,13 +474,14 @@ def _split_batch(
         raise KeyEncodingError("a main-index entry is shorter than its docid length says")
     encoded = pc.dictionary_encode(_gather(pa.binary(), key_starts, id_starts - key_starts, data))
     keys = []
-    for key in encoded.dictionary.to_pylist():
+    collations = encoded.dictionary.to_pylist()
+    for key in collations:
         values, end = decode_key(key, count, 0, desc)
         if end != len(key):
             raise KeyEncodingError(f"{len(key) - end} stray bytes after a key of {count} values")
         keys.append(values)
     if not docids:
-        return EntryBatch(pa.array([], pa.string()), encoded.indices, keys)
+        return EntryBatch(pa.array([], pa.string()), encoded.indices, keys, collations)
     ids = _gather(pa.string(), id_starts, id_lengths, data)
     try:
         ids.validate(full=True)
@@ -440,7 +493,7 @@ def _split_batch(
             ],
             pa.string(),
         )
-    return EntryBatch(ids, encoded.indices, keys)
+    return EntryBatch(ids, encoded.indices, keys, collations)
 
 
 def _runs(entries: list[bytes], cut: int, prefix: int, desc: Sequence[bool]) -> EntryBatch:

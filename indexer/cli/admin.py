@@ -415,8 +415,8 @@ def _scan_cluster(
 ) -> None:
     import json
 
-    from indexer.cluster.map import ClusterMapError, ClusterScanError
-    from indexer.cluster.store import scan_the_cluster
+    from indexer.cluster.map import ClusterMapError
+    from indexer.cluster.scan import ClusterScanError, scan_the_cluster
 
     try:
         with scan_the_cluster(

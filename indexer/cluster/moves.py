@@ -6,7 +6,7 @@ then receives it from the routers' source logs while the owner now still answers
 Once every new owner's readable snapshot has reached what the old owner had (read in that order,
 each poll), the second transaction hands every moving vbucket over in one map. A merged scan
 reads each vbucket from the node the map it read names, and reads the map again if that node
-has given it up since (indexer/cluster/map.py, `scan_cluster`), so no scan during the move
+has given it up since (indexer/cluster/scan.py, `scan_cluster`), so no scan during the move
 misses or repeats a row. The plan stays in the map until the hand-over: a command stopped
 halfway is resumed (`--resume`) or dropped (`--abort`) by the next one.
 """

@@ -166,7 +166,7 @@ class SliceWatch:
             await timekeeper.drain_all()  # what was received for them is written first
             if removed:
                 # Snapshots from here on do not hold them (their documents are being deleted):
-                # a merged scan that asks for them reads the map again (cluster.map.scan_cluster).
+                # a merged scan that asks for them reads the map again (cluster.scan.scan_cluster).
                 for vb in removed:
                     registry.owned[vb] = 0
                 n = len(registry.owned)

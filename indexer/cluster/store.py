@@ -13,10 +13,8 @@ import contextlib
 import dataclasses
 import json
 import logging
-import ssl
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,10 +25,7 @@ from indexer.cluster.map import (
     ClusterMap,
     ClusterMapError,
     ClusterMapFile,
-    ClusterMapMoved,
-    ClusterNodeDown,
     cluster_map_from,
-    scan_cluster,
     vbucket_ranges,
 )
 from indexer.cluster.standing import ClusterStanding
@@ -216,67 +211,6 @@ def map_source(where: str | Path) -> MapSource:
 def load_map(where: str | Path) -> ClusterMap:
     """The map at `where` now (a file or etcd); ClusterMapError with one line if there is none."""
     return map_source(where).load()
-
-
-MAP_MOVED_TRIES = 10  # a merged scan reads the map again at most this often while it moves
-
-
-@contextmanager
-def scan_the_cluster(
-    where: str | Path,
-    index: str,
-    params: dict[str, Any],
-    timeout: float,
-    *,
-    token: str | None = None,
-    ssl_context: ssl.SSLContext | None = None,
-    failover_wait_s: float | None = None,
-    transport: Any = None,
-) -> Iterator[Iterator[dict[str, Any]]]:
-    """`scan_cluster` on the map at `where` as it is now, read again and scanned again while a
-    rebalance hands vbuckets over under it (ClusterMapMoved comes before any row). In a cluster
-    in etcd a node that does not answer is waited for until its replicas take over, for at most
-    `failover_wait_s` (default: twice the lease's TTL and 5 s), and one that fails while it
-    streams is taken over by its replicas from its last row on; a map file has no failover."""
-    in_etcd = str(where).startswith("etcd:")
-    if failover_wait_s is None:
-        failover_wait_s = 2 * NODE_TTL_S + 5 if in_etcd else 0.0
-    follow = (lambda: load_map(where)) if in_etcd else None
-    deadline = time.monotonic() + failover_wait_s
-    attempt = 0
-    while True:
-        cluster = load_map(where)
-        stack = ExitStack()
-        try:
-            rows = stack.enter_context(
-                scan_cluster(
-                    cluster,
-                    index,
-                    params,
-                    timeout,
-                    token=token,
-                    ssl_context=ssl_context,
-                    follow=follow,
-                    failover_wait_s=failover_wait_s,
-                    transport=transport,
-                )
-            )
-        except ClusterMapMoved:
-            stack.close()
-            attempt += 1
-            if attempt == MAP_MOVED_TRIES:
-                raise
-            time.sleep(0.1 * attempt)
-            continue
-        except ClusterNodeDown:
-            stack.close()
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)
-            continue
-        with stack:
-            yield rows
-        return
 
 
 async def keep_registered(

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from indexer.client import ARROW_STREAM, JSON
 from indexer.scans import EntryBatch, Row, json_encode, key_names, typed_columns
@@ -49,7 +51,17 @@ COUNT_PARAMS = (
 )
 
 ACTION_PARAMS = {
-    "scan": (*COUNT_PARAMS, "limit", "columns", "order", "offset", "next", "fields", "vbuckets"),
+    "scan": (
+        *COUNT_PARAMS,
+        "limit",
+        "columns",
+        "order",
+        "offset",
+        "next",
+        "fields",
+        "vbuckets",
+        "collation",
+    ),
     "count": (*COUNT_PARAMS, "vbuckets"),
     "splits": ("parts", *SNAPSHOT_PARAMS),
     "types": SNAPSHOT_PARAMS,
@@ -137,17 +149,25 @@ class _RowCount:
 
 @dataclass(frozen=True)
 class Projection:
-    """What a scan's rows hold (`fields=`): these key positions, in this order, and the id."""
+    """What a scan's rows hold (`fields=`): these key positions, in this order, and the id;
+    with `collation` (`collation=hex`), a string that sorts as the row's entry: its whole key
+    as the index orders it, encoded, in hex, a space and its docid. A merge of several nodes'
+    rows compares these, without encoding keys itself."""
 
     positions: tuple[int, ...]
     with_id: bool = True
     id_at: int = 0  # where the id column goes among an Arrow batch's columns
+    collation: bool = False
 
 
 def _projection(query: dict[str, str], paths: Sequence[str]) -> Projection:
-    """The `fields` parameter: key paths and `id`, comma-separated (default: all, then id)."""
+    """The `fields` parameter: key paths and `id`, comma-separated (default: all, then id); and
+    `collation`."""
+    collation = query.get("collation")
+    if collation not in (None, "hex"):
+        raise ApiError(400, f"collation: hex (each row's encoded key, in hex); not {collation!r}")
     if "fields" not in query:
-        return Projection(tuple(range(len(paths))))
+        return Projection(tuple(range(len(paths))), collation=collation is not None)
     names = [n.strip() for n in query["fields"].split(",")]
     known = key_names(paths)
     unknown = [n for n in names if n != "id" and n not in known]
@@ -158,11 +178,14 @@ def _projection(query: dict[str, str], paths: Sequence[str]) -> Projection:
             f"fields: keys of the index ({', '.join(paths)}) and id, each once, "
             f"comma-separated; not {query['fields']!r}",
         )
-    return Projection(positions, "id" in names, names.index("id") if "id" in names else 0)
+    at = names.index("id") if "id" in names else 0
+    return Projection(positions, "id" in names, at, collation is not None)
 
 
 def _ndjson_chunk(batches: Iterator[EntryBatch], projection: Projection) -> bytes | None:
-    """The next batch of rows as NDJSON lines (the JSON of a key is built once per batch)."""
+    """The next batch of rows as NDJSON lines. The JSON of a key is built once per batch, and
+    the lines are joined by Arrow (each row's key text taken by its code, then its docid), not
+    row by row; a batch with a docid that JSON must escape is built row by row instead."""
     batch = next(batches, None)
     if batch is None:
         return None
@@ -171,19 +194,56 @@ def _ndjson_chunk(batches: Iterator[EntryBatch], projection: Projection) -> byte
     positions = projection.positions
     for values in batch.keys:
         row = Row([values[j] for j in positions], "").as_json()
-        head = '{"key": ' + json_encode(row["key"])
-        heads.append(head + ', "id": ' if projection.with_id else head)
+        heads.append('{"key": ' + json_encode(row["key"]))
         tails.append(
             ', "missing": ' + json_encode(row["missing"]) + "}\n" if "missing" in row else "}\n"
         )
-    codes = batch.codes.to_pylist()
-    if not projection.with_id:
-        return "".join(heads[c] + tails[c] for c in codes).encode()
-    lines = [
-        heads[c] + json_encode(docid) + tails[c]
-        for c, docid in zip(codes, batch.docids.to_pylist(), strict=True)
+    codes = batch.codes
+    hexes = [c.hex() for c in batch.collations] if projection.collation else []
+    n = len(batch)
+    if n and pc.any(pc.match_substring_regex(batch.docids, ESCAPED)).as_py():
+        lines = []
+        for c, docid in zip(codes.to_pylist(), batch.docids.to_pylist(), strict=True):
+            line = heads[c]
+            if hexes:
+                line += ', "collation": ' + json_encode(hexes[c] + " " + docid)
+            if projection.with_id:
+                line += ', "id": ' + json_encode(docid)
+            lines.append(line + tails[c])
+        return "".join(lines).encode()
+    # Each line: its key's head, then (collation) `, "collation": "HEX ` DOCID `"`, then (id)
+    # `, "id": "` DOCID `"`, then its key's tail.
+    parts: list[Any] = []
+    docid = batch.docids
+    if hexes:
+        parts += [[h + ', "collation": "' + x + " " for h, x in zip(heads, hexes, strict=True)]]
+        parts += [docid, ['"' for _ in heads]]
+    else:
+        parts += [heads]
+    if projection.with_id:
+        parts[-1] = [p + ', "id": "' for p in parts[-1]]
+        parts += [docid, ['"' + t for t in tails]]
+    else:
+        parts[-1] = [p + t for p, t in zip(parts[-1], tails, strict=True)]
+    columns = [
+        p if isinstance(p, pa.Array) else pa.array(p, pa.string()).take(codes) for p in parts
     ]
-    return "".join(lines).encode()
+    return _joined(*columns)
+
+
+# What JSON escapes in a string (ensure_ascii off): a docid holding one is encoded by json.
+ESCAPED = r'["\\\x00-\x1f]'
+
+
+def _joined(*columns: pa.Array) -> bytes:
+    """The rows' texts, each the columns' strings joined, as one run of UTF-8 bytes."""
+    if not len(columns[0]):
+        return b""
+    joined = pc.binary_join_element_wise(*columns, "")
+    _, offsets, data = joined.buffers()
+    first, last = np.frombuffer(offsets, np.int32, len(joined) + 1, joined.offset * 4)[[0, -1]]
+    text: bytes = data.slice(int(first), int(last - first)).to_pybytes()
+    return text
 
 
 def _arrow_chunk(

@@ -20,7 +20,7 @@ import pytest
 
 from indexer.client import ACTIVE_HEADER
 from indexer.cluster.map import parse_vbuckets
-from indexer.cluster.store import scan_the_cluster
+from indexer.cluster.scan import scan_the_cluster
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import INDEXES, indexer_command, model, wait_equal, write_jsonl

@@ -13,6 +13,7 @@ import httpx
 import pyarrow as pa
 import pytest
 
+from indexer.cluster.scan import row_order
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
 from tests.e2e.conftest import (
@@ -100,6 +101,14 @@ def test_scans_ranges_limits_and_arrow_equal_the_model(fed: tuple[Daemon, list[D
     full = HTTP.get(daemon.url + "/indexes/by_city/scan")
     assert full.status_code == 200 and ndjson(full) == want
     assert int(full.headers["x-indexer-seqno-sum"]) == len(documents)
+    # What a merge of several nodes compares: each row's key as the index orders it, in hex.
+    collated = ndjson(HTTP.get(daemon.url + "/indexes/by_city/scan?collation=hex&limit=500"))
+    assert [r.pop("collation") for r in collated] == [
+        row_order(e)[0].hex() + " " + e["id"] for e in want[:500]
+    ]
+    assert collated == want[:500]
+    bad = HTTP.get(daemon.url + "/indexes/by_city/scan?collation=raw")
+    assert bad.status_code == 400 and "collation: hex" in bad.json()["error"], bad.text
     # A range on the leading key, both ends inclusive, and the same by the CLI.
     rng = [e for e in want if "Berlin" <= e["key"][0] <= "Oslo"]
     got = HTTP.get(

@@ -1,14 +1,24 @@
-"""The cluster map (indexer/cluster/map.py): parsing with clear errors; merging nodes' scans."""
+"""The cluster map (indexer/cluster/map.py): parsing with clear errors; merging nodes' scans
+(indexer/cluster/scan.py)."""
 
 from __future__ import annotations
 
+import json
 import random
 from itertools import pairwise
 
 import pytest
 
-from indexer.cluster.map import ClusterMapError, merge_rows, parse_cluster_map, row_order
-from indexer.keys import collate
+from indexer.cluster.map import ClusterMapError, parse_cluster_map
+from indexer.cluster.scan import (
+    RowRun,
+    merge_runs,
+    ndjson_batches,
+    orders_of,
+    resume_entry,
+    row_order,
+)
+from indexer.keys import collate, entry_tail
 
 TWO = """
 num_vbuckets = 8
@@ -52,11 +62,32 @@ def test_a_bad_map_is_refused_naming_the_key(change: tuple[str, str], message: s
         parse_cluster_map(TWO.replace(*change), "map.toml")
 
 
-def test_merged_scans_come_out_in_index_order() -> None:
-    # 1, 1.0 and True are equal in Python: the merge's memo of encoded keys keeps them apart.
+def runs_of(rows: list[dict[str, object]], rng: random.Random, collated: bool) -> list[RowRun]:
+    """A node's answer as the merge reads it: runs of random lengths (some empty), each row's
+    collation sent by the node (`collated`) or left for the merge to encode."""
+    copies = [dict(r) for r in rows]
+    if collated:
+        for row in copies:
+            row["collation"] = row_order(row)[0].hex() + " " + str(row["id"])
+    runs = []
+    while copies:
+        n = rng.randrange(0, 6)
+        part, copies = copies[:n], copies[n:]
+        runs.append(RowRun(part, orders_of(part)))
+    return runs
+
+
+def merged(runs: list[list[RowRun]], reverse: bool = False) -> list[dict[str, object]]:
+    return [row for run in merge_runs((iter(r) for r in runs), reverse) for row in run.rows]
+
+
+@pytest.mark.parametrize("collated", [True, False])
+def test_merged_scans_come_out_in_index_order(collated: bool) -> None:
+    # 1, 1.0 and True are equal in Python, but not in the index's collation.
     keys = [[None], [False], [3], [3.5], ["a"], ["b", 1], [[1]], [{"x": 1}], [10], ["A"]]
-    keys += [[1], [True], [1.0], [0], [False, 2]]
+    keys += [[1], [True], [1.0], [0], [False, 2], ["ab"], ["a", None], [-1e300], [2**70]]
     rows = [{"key": k, "id": f"d{i:03d}"} for i, k in enumerate(keys * 3)]
+    rows += [{"key": ["a"], "id": i} for i in ("", "d", "d\x00", "dé", "d\U0001f600", "e")]
     rows.append({"key": [None], "id": "m", "missing": [0]})  # MISSING sorts first of all
     ordered = sorted(rows, key=row_order)
     assert ordered[0]["id"] == "m"
@@ -64,10 +95,34 @@ def test_merged_scans_come_out_in_index_order() -> None:
     for before, after in pairwise(ordered[1:]):  # N1QL collation
         assert collate(before["key"], after["key"]) <= 0
         if before["key"] == after["key"]:
-            assert before["id"] < after["id"]
-    rng = random.Random(7)
-    nodes: list[list[dict[str, object]]] = [[], [], []]
-    for row in rows:
-        nodes[rng.randrange(3)].append(row)
-    merged = list(merge_rows(sorted(node, key=row_order) for node in nodes))
-    assert merged == ordered
+            assert str(before["id"]).encode() < str(after["id"]).encode()
+    for seed in range(20):
+        rng = random.Random(seed)
+        nodes: list[list[dict[str, object]]] = [[] for _ in range(rng.randrange(1, 5))]
+        for row in rows:
+            nodes[rng.randrange(len(nodes))].append(row)
+        forward = [runs_of(sorted(n, key=row_order), rng, collated) for n in nodes]
+        assert merged(forward) == ordered, seed
+        backward = [runs_of(sorted(n, key=row_order, reverse=True), rng, collated) for n in nodes]
+        assert merged(backward, reverse=True) == ordered[::-1], seed
+
+
+def test_a_rows_order_gives_back_its_entry() -> None:
+    row: dict[str, object] = {"key": ["Oslo", 30], "id": "dé", "collation": ""}
+    row["collation"] = row_order(row)[0].hex() + " dé"
+    (order,) = orders_of([row])
+    assert "collation" not in row
+    assert resume_entry(order) == row_order(row)[0] + entry_tail("dé".encode())
+
+
+def test_ndjson_batches_decode_lines_split_anywhere() -> None:
+    rows = [{"key": [i, "x" * (i % 7), None], "id": f"d{i}"} for i in range(200)]
+    rows.append({"key": ["\ud800"], "id": "lone surrogate"})  # msgspec refuses it; json not
+    text = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    rng = random.Random(3)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(1, 40)))
+        chunks = [text[a:b] for a, b in pairwise([0, *cuts, len(text)])]
+        batches = list(ndjson_batches(chunks))
+        assert all(batches) and [r for b in batches for r in b] == rows
+    assert list(ndjson_batches([b'{"key": [1], "id": "a"}'])) == [[{"key": [1], "id": "a"}]]

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import random
+import zlib
 from pathlib import Path
 
 import pytest
 
 from indexer import protocol as p
-from indexer.keys import MISSING, KeyEncodingError, encode_key, split_entry
+from indexer.keys import MISSING, KeyEncodingError, encode_key, entry_tail, split_entry
 from indexer.scans import (
     KeyRange,
     ScanRequestError,
+    VbucketFilter,
     entry_batches,
+    entry_vbuckets,
     iterate,
     key_range,
     merge_spans,
@@ -144,3 +148,19 @@ def test_spans_merge_into_disjoint_ranges_in_order() -> None:
     assert merge_spans([r(5, 9), r(1, 3), r(2, 4), r(9, 12), r(20, 20)]) == (r(1, 4), r(5, 12))
     assert merge_spans([r(5, None), r(7, 9), r(None, 2)]) == (r(None, 2), r(5, None))
     assert merge_spans([r(None, None), r(3, 4)]) == (r(None, None),)
+
+
+def test_a_vbucket_filter_keeps_the_entries_of_its_vbuckets_as_zlib_hashes_them() -> None:
+    rng = random.Random(11)
+    docids = [b"", b"a", "dé\U0001f600".encode(), bytes(range(256)), b"x" * 700]
+    docids += [rng.randbytes(rng.randrange(0, 40)) for _ in range(3000)]
+    entries = [b"\x07" + encode_key([f"k{i % 13}"]) + entry_tail(d) for i, d in enumerate(docids)]
+    for num in (1, 7, 1024):
+        want = [zlib.crc32(d) % num for d in docids]
+        assert entry_vbuckets(entries, num).tolist() == want
+        keep = frozenset(rng.sample(range(num), max(1, num // 3)))
+        kept = list(VbucketFilter(keep, num).entries(iter(entries)))
+        assert kept == [e for e, vb in zip(entries, want, strict=True) if vb in keep]
+    assert entry_vbuckets([], 1024).tolist() == []
+    with pytest.raises(KeyEncodingError, match="shorter than its docid length"):
+        entry_vbuckets([b"\x07abc" + b"\x00\x09"], 1024)

@@ -34,7 +34,7 @@ from pyspark.sql.datasource import (
 )
 
 from indexer.changes import decode_cluster_token
-from indexer.cluster.map import row_order
+from indexer.cluster.scan import row_order
 from indexer.keys import encode_key
 from indexer.router import Workload, generate
 from indexer.router.documents import Document, vbucket_of
