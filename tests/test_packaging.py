@@ -135,16 +135,31 @@ def test_without_mypyc_the_wheel_is_pure_python(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh venv, outside the source tree, with the wheel and its dependencies: its bin/."""
+    """A fresh venv, outside the source tree, with the wheel: its bin/. The wheel goes in
+    without its dependencies, which the venv finds in the test environment's site-packages
+    (a path in a .pth file, after its own: the test environment's editable install of the
+    sources is not loaded from there), so it is the wheel's own files that run; installing
+    pyarrow, numpy and the rest again would take most of a minute and test pip. The metadata
+    test checks what the wheel requires."""
     venv = tmp_path_factory.mktemp("installed") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    (site,) = venv.glob("lib/python3*/site-packages")
+    (site / "test-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # The venv's own python runs pip (the test environment's), so the scripts are the venv's;
+    # --ignore-installed: the test environment's install of the project is left alone.
     pip = subprocess.run(
-        [str(venv / "bin/pip"), "install", "-q", "--no-compile", str(wheel)],
+        [
+            *(str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-compile"),
+            *("--no-deps", "--ignore-installed", str(wheel)),
+        ],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
+    assert (site / "indexer" / "__init__.py").is_file(), sorted(p.name for p in site.iterdir())
     yield venv / "bin"
 
 

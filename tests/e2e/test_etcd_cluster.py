@@ -363,6 +363,7 @@ def test_a_rebalance_under_a_feed_hands_over_without_a_gap_in_merged_scans(
                     rows = list(found)
                 so_far = list(written)  # every row is one of these, written before it ended
                 scans.append((time.monotonic(), rows, so_far))
+                time.sleep(0.2)  # scans in a loop, leaving the nodes' cores to the move
         except BaseException as exc:
             failed.append(exc)
 
