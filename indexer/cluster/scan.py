@@ -91,6 +91,19 @@ def resume_entry(order: str) -> bytes:
     return bytes.fromhex(collation) + entry_tail(docid.encode())
 
 
+def resumed_after(params: dict[str, Any], entry: bytes, reverse: bool) -> dict[str, Any]:
+    """A scan's parameters (`start`, `stop` in hex) narrowed to the entries after `entry`
+    (before it, with `reverse`): the rest of a scan whose last row was that entry's."""
+    rest = dict(params)
+    if reverse:
+        given = bytes.fromhex(rest.get("stop", "")) or None
+        rest["stop"] = (entry if given is None else min(entry, given)).hex()
+    else:
+        after = entry + b"\x00"  # the first entry after it
+        rest["start"] = max(after, bytes.fromhex(rest.get("start", ""))).hex()
+    return rest
+
+
 @dataclass(slots=True)
 class RowRun:
     """Consecutive rows of one node's answer, in index order, with their orders (`orders_of`;
@@ -246,7 +259,6 @@ def scan_cluster(
         as client,
         ExitStack() as stack,
     ):  # fmt: skip
-        desc: tuple[bool, ...] = ()
 
         def open_scan(node: ClusterNode, asked: dict[str, Any]) -> httpx.Response:
             base = node.base_url(ssl_context is not None)
@@ -293,7 +305,7 @@ def scan_cluster(
                 batches = answered_for(batches, mine, num)
             if "collation" not in params:
                 return (RowRun(rows, []) for rows in batches)
-            return (RowRun(rows, orders_of(rows, desc)) for rows in batches)
+            return (RowRun(rows, orders_of(rows)) for rows in batches)
 
         def taken_over(
             node: ClusterNode, mine: frozenset[int], runs: Iterator[RowRun]
@@ -312,13 +324,7 @@ def scan_cluster(
                     raise ClusterScanError(failure) from None
             rest = {k: v for k, v in collated.items() if k != "limit"}  # the merge counts rows
             if last:
-                entry = resume_entry(last)
-                if reverse:
-                    given = bytes.fromhex(rest.get("stop", "")) or None
-                    rest["stop"] = (entry if given is None else min(entry, given)).hex()
-                else:
-                    after = entry + b"\x00"  # the first entry after it
-                    rest["start"] = max(after, bytes.fromhex(rest.get("start", ""))).hex()
+                rest = resumed_after(rest, resume_entry(last), reverse)
             deadline = time.monotonic() + failover_wait_s
             why = failure
             while True:
@@ -358,14 +364,6 @@ def scan_cluster(
         asked = collated if merging else params
         streams: list[Iterator[RowRun]] = []
         for node in active:
-            base = node.base_url(ssl_context is not None)
-            if not streams:  # the order of the index's keys, for a node that sends no collation
-                try:
-                    described = client.get(base + index_path(index))
-                except httpx.HTTPError as exc:
-                    raise ClusterNodeDown(f"node {node.name} ({base}): {exc}") from None
-                if described.status_code == 200:
-                    desc = tuple(k.endswith(" DESC") for k in described.json().get("keys", ()))
             mine = frozenset(node.vbuckets)
             streams.append(taken_over(node, mine, node_runs(node, mine, asked)))
         merged = chain.from_iterable(run.rows for run in merge_runs(streams, reverse))

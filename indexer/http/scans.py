@@ -620,6 +620,8 @@ class ScanRoutes(AdminRoutes):
         fields = [pa.field(paths[j], COLUMN_KINDS[kinds[j]]) for j in projection.positions]
         if projection.with_id:
             fields.insert(projection.id_at, pa.field("id", pa.string()))
+        if projection.collation:  # where a reader that resumes the scan elsewhere stopped
+            fields.append(pa.field("collation", pa.binary()))
         schema = pa.schema(fields, metadata=_snapshot_metadata(snap))
 
         def write(writer: Any) -> bool:

@@ -254,13 +254,16 @@ def _arrow_chunk(
     projection: Projection,
 ) -> bool:
     """Write the next batch of rows as one record batch (the id and the key columns of the
-    projection, of `kinds`); False at the end."""
+    projection, of `kinds`, and with `collation` a binary column of each row's encoded key);
+    False at the end."""
     batch = next(batches, None)
     if batch is None:
         return False
     columns = typed_columns(batch, kinds, projection.positions)
     if projection.with_id:
         columns.insert(projection.id_at, batch.docids)
+    if projection.collation:  # last: each row's key as the index orders it, its bytes
+        columns.append(pa.array(batch.collations, pa.binary()).take(batch.codes))
     writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
     return True
 

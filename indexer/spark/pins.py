@@ -36,6 +36,7 @@ class Pin:
     url: str
     access: Access = dataclasses.field(default_factory=Access, repr=False)  # to release it
     cores: int | None = None  # the cores the daemon's process may run on (its scans share them)
+    seqnos: tuple[int, ...] = ()  # the pinned snapshot's, one per vbucket
 
 
 def _http(method: str, url: str, path: str, **kwargs: Any) -> Any:
@@ -79,6 +80,7 @@ def pin_snapshot(
         url,
         access,
         int(answer["scan_cores"]) if "scan_cores" in answer else None,
+        tuple(int(s) for s in answer.get("seqnos", ())),
     )
 
 

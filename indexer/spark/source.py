@@ -13,6 +13,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, Filter, InputPa
 from pyspark.sql.types import StructType
 
 from indexer.client import ARROW_STREAM, index_path
+from indexer.cluster.etcd import ETCD_SCHEME
 from indexer.keys import encode_key, entry_tail
 from indexer.scans import KeyRange, Row, column_kind, iterate, json_text, splits
 from indexer.spark.columns import (
@@ -63,6 +64,7 @@ from indexer.spark.stream import (
     feed_schema,
     reads_changes,
 )
+from indexer.spark.takeover import FollowedRead, without_collation
 from indexer.spark.writer import IndexerStreamWriter, IndexerWriter, WriterOptions, find_owners
 
 
@@ -81,6 +83,9 @@ class IndexerPartition(InputPartition):
         url: str | None = None,
         node: str | None = None,
         vbuckets: str | None = None,
+        mine: frozenset[int] | None = None,
+        at_plus: dict[str, int] | None = None,
+        num_vbuckets: int = 0,
     ) -> None:
         super().__init__(number)
         self.number = number
@@ -92,6 +97,11 @@ class IndexerPartition(InputPartition):
         self.url = url  # the daemon to read (None: the url option's)
         self.node = node  # its name in the cluster map
         self.vbuckets = vbuckets  # those it answers for, where it holds others too
+        # With a map in etcd, what another node that takes the node over reads: the node's
+        # vbuckets, at least at its pin's seqnos (of `num_vbuckets`).
+        self.mine = mine
+        self.at_plus = at_plus
+        self.num_vbuckets = num_vbuckets
 
 
 class IndexerDataSource(DataSource):
@@ -322,12 +332,28 @@ class IndexerReader(DataSourceReader):
                         url=target.url,
                         node=target.node,
                         vbuckets=target.answers,
+                        **self._takeover(target, made[i] if made else None),
                     )
                     out.append(part)
             if len(out) == before and made:
                 unused.append(made[i])
         _release_each(unused)
         return out
+
+    def _takeover(self, target: Target, pin: Pin | None) -> dict[str, Any]:
+        """What a partition of `target` needs for another node to take its read over: with a
+        map in etcd and a pin made here (whose seqnos are known), its vbuckets and the pin's
+        seqnos of them."""
+        where = self.options.cluster_map
+        if where is None or not where.startswith(ETCD_SCHEME) or pin is None or not pin.seqnos:
+            return {}
+        if target.vbuckets is None:
+            return {}
+        return {
+            "mine": target.vbuckets,
+            "at_plus": {str(vb): pin.seqnos[vb] for vb in sorted(target.vbuckets)},
+            "num_vbuckets": len(pin.seqnos),
+        }
 
     def _check_types(self, targets: Sequence[Target], pin_ids: Sequence[str]) -> None:
         """A column typed from what the index held when the DataFrame was loaded must still fit
@@ -418,6 +444,23 @@ class IndexerReader(DataSourceReader):
             params["stop"] = part.stop.hex()
         path = index_path(options.index, "scan")
         params["columns"] = ",".join(server_kinds(self.columns, len(self.keys)))
+        if part.mine is not None and part.at_plus is not None and part.node is not None:
+            assert options.cluster_map is not None
+            params["collation"] = "hex"
+            follow = FollowedRead(
+                options.cluster_map,
+                path,
+                options.access,
+                options.timeout,
+                part.num_vbuckets,
+                reverse=options.order == "desc",
+            )
+            try:
+                for batch in follow.read(part.node, url, part.mine, params, part.at_plus):
+                    yield self._from_server(without_collation(batch))
+            except IndexerSourceError as exc:
+                raise self._no_pin(exc, target) or exc from None
+            return
         try:
             response = _http(
                 "GET",
@@ -429,14 +472,7 @@ class IndexerReader(DataSourceReader):
                 access=options.access,
             )
         except IndexerSourceError as exc:
-            if "no pin" in str(exc) and options.pin is None:
-                raise IndexerSourceError(
-                    target.say(
-                        f"{exc}: a DataFrame reads the snapshot pinned when Spark planned it, "
-                        f"for lease_s={options.lease_s:g} s: load it again, or raise lease_s"
-                    )
-                ) from None
-            raise IndexerSourceError(target.say(str(exc))) from None
+            raise self._no_pin(exc, target) or IndexerSourceError(target.say(str(exc))) from None
         with response:
             try:
                 stream = pa.ipc.open_stream(response)
@@ -446,6 +482,17 @@ class IndexerReader(DataSourceReader):
                 raise IndexerSourceError(
                     target.say(f"indexer at {url}: the scan stream broke off: {exc}")
                 ) from None
+
+    def _no_pin(self, exc: IndexerSourceError, target: Target) -> IndexerSourceError | None:
+        """The error to raise for a pin that expired before its partition was read."""
+        if "no pin" not in str(exc) or self.options.pin is not None:
+            return None
+        return IndexerSourceError(
+            target.say(
+                f"{exc}: a DataFrame reads the snapshot pinned when Spark planned it, "
+                f"for lease_s={self.options.lease_s:g} s: load it again, or raise lease_s"
+            )
+        )
 
     def _from_server(self, batch: Any) -> Any:
         arrays = from_server(batch, self.columns)
@@ -521,6 +568,10 @@ def _in_order(parts: list[InputPartition], order: str) -> list[InputPartition]:
                 part.empty,
                 part.url,
                 part.node,
+                part.vbuckets,
+                part.mine,
+                part.at_plus,
+                part.num_vbuckets,
             )
         )
     return reverse

@@ -4,6 +4,7 @@ etcd-server) and real processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -11,11 +12,12 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pyarrow as pa
 import pytest
 
 from indexer.client import ACTIVE_HEADER
@@ -159,6 +161,49 @@ def receives(url: str) -> dict[str, set[int]]:
     return found
 
 
+@contextlib.contextmanager
+def small_receive_buffers() -> Iterator[None]:
+    """New connections (urllib's, the Spark source's) with a receive buffer kept at 64 KB, so that
+    a node's answer larger than its send buffer is still streaming when it is killed."""
+    connect = socket.create_connection
+
+    def small(*args: Any, **kwargs: Any) -> socket.socket:
+        sock = connect(*args, **kwargs)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        return sock
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket, "create_connection", small)
+        yield
+
+
+def spark_read_killing(
+    url: str, index: str, node: str, kill: Callable[[], None]
+) -> list[list[str]]:
+    """The ids each partition of a Spark source's read of `index` gives (its reader, as an
+    executor calls it), with `kill` called after the first batch of `node`'s first one."""
+    from indexer.spark.source import IndexerDataSource, IndexerPartition
+
+    given = {"cluster": url, "index": index, "snapshot": "stable", "partitions": "6"}
+    source = IndexerDataSource(given)
+    reader = source.reader(source.schema())
+    parts = reader.partitions()
+    assert sum(isinstance(p, IndexerPartition) and p.node == node for p in parts) > 1
+    killed = False
+    found = []
+    for part in parts:
+        assert isinstance(part, IndexerPartition)
+        ids: list[str] = []
+        for batch in reader.read(part):
+            assert isinstance(batch, pa.RecordBatch)
+            ids += batch.column("id").to_pylist()
+            if part.node == node and not killed:
+                kill()
+                killed = True
+        found.append(ids)
+    return found
+
+
 def merged_scan(url: str) -> list[dict[str, Any]]:
     with scan_the_cluster(url, "by_age", {"consistency": "request_plus"}, 60) as found:
         return list(found)
@@ -238,6 +283,24 @@ def test_three_nodes_with_a_replica_survive_a_killed_and_a_stopped_node(
     assert rows == model(documents, INDEXES["by_city"])
     assert "node a failed during the scan" in caplog.text, caplog.text
     a.start()
+    for name, held in receives(url).items():
+        wait_equal(nodes[name], owned(documents, held))
+    # c dies while the Spark source reads its partitions: the first one part way (the same
+    # buffers), the others before they start. Its replicas answer for it, each row once.
+    assert slices(url)["c"], "c took some of a's vbuckets over"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "indexer.spark"), small_receive_buffers():
+        parts = spark_read_killing(url, "by_city", "c", c.kill)
+    taken = [r.getMessage() for r in caplog.records if r.name == "indexer.spark"]
+    assert any("the scan stream broke off" in m for m in taken), taken
+    assert any("cannot reach" in m for m in taken), taken
+    read = [i for part in parts for i in part]
+    city_rows = model(documents, INDEXES["by_city"])
+    assert sorted(read) == sorted(r["id"] for r in city_rows)  # each row once
+    place = {r["id"]: n for n, r in enumerate(city_rows)}
+    for part in parts:  # each partition in index order
+        assert [place[i] for i in part] == sorted(place[i] for i in part)
+    c.start()
     for name, held in receives(url).items():
         wait_equal(nodes[name], owned(documents, held))
     # b is stopped past its lease: its replicas take over. Woken, it must not answer as active.

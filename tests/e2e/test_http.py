@@ -149,6 +149,14 @@ def test_scans_ranges_limits_and_arrow_equal_the_model(fed: tuple[Daemon, list[D
     for r, e in zip(rows, want, strict=True):
         assert json.loads(r["address.city"]) == e["key"][0]
         assert (r["age"] is None) == (1 in e.get("missing", []))
+    # collation=hex in Arrow: a last column of each row's encoded key, as bytes.
+    arrow = HTTP.get(
+        daemon.url + "/indexes/by_city/scan?collation=hex",
+        headers={"Accept": "application/vnd.apache.arrow.stream"},
+    )
+    table = pa.ipc.open_stream(arrow.content).read_all()
+    assert table.schema.names == ["id", "address.city", "age", "collation"]
+    assert table.column("collation").to_pylist() == [row_order(e)[0] for e in want]
     daemon.check_alive()
 
 
