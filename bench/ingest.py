@@ -326,6 +326,8 @@ def measure_e2e(opts: argparse.Namespace, workdir: Path) -> EndToEnd:
     extra = ""
     if opts.recovery_points is not None:
         extra = f"[snapshots]\nrecovery_points = {opts.recovery_points}\n"
+    if opts.history is not None:
+        extra += f"[changes]\nhistory = {'true' if opts.history == 'on' else 'false'}\n"
     daemon = Daemon.in_workdir(workdir, extra)
     try:
         daemon.start()
@@ -536,6 +538,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="snapshots.recovery_points of the daemon (default: the configuration's, 5); "
         "0 writes no undo records",
+    )
+    parser.add_argument(
+        "--history",
+        choices=("on", "off"),
+        default=None,
+        help="changes.history of the daemon (default: the configuration's, on); off writes no "
+        "change-history records",
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp directory")
     parser.add_argument("--timeout", type=float, default=1800, help="router timeout, seconds")

@@ -176,6 +176,7 @@ class StabilitySnapshot:
         store_snapshot: Any,
         entry_counts: dict[str, int] | None = None,
         held: bytes = b"",
+        leaving: frozenset[int] = frozenset(),
     ) -> None:
         self.number = number
         self.timestamp = timestamp
@@ -185,6 +186,9 @@ class StabilitySnapshot:
         # A flag per vbucket: the node received it when the snapshot was made, so the snapshot
         # holds its documents (a vbucket the node gave up since may be deleted already).
         self.held = held
+        # Vbuckets given up whose documents were being deleted when it was made: the store may
+        # still hold some of them, so an answer of this snapshot leaves them out.
+        self.leaving = leaving
         self.created_at = time.time()
         self._refs = 0
 
@@ -233,6 +237,7 @@ class SnapshotStore:
 
     def __init__(self, persisted: StabilityTimestamp, owned: bytearray | None = None) -> None:
         self.owned = owned  # the node's vbuckets now, a flag each (None: all of them)
+        self.leaving: set[int] = set()  # given up, their documents being deleted
         self.stable: StabilitySnapshot | None = None
         self.persisted = persisted
         self.persisted_snapshot: StabilitySnapshot | None = None
@@ -255,7 +260,7 @@ class SnapshotStore:
         self._numbers += 1
         held = bytes(self.owned) if self.owned is not None else b""
         snapshot = StabilitySnapshot(
-            self._numbers, timestamp, store_snapshot, entry_counts, held
+            self._numbers, timestamp, store_snapshot, entry_counts, held, frozenset(self.leaving)
         ).acquire()
         old = self.stable
         self.stable = snapshot

@@ -167,12 +167,20 @@ class SliceWatch:
             if removed:
                 # Snapshots from here on do not hold them (their documents are being deleted):
                 # a merged scan that asks for them reads the map again (cluster.scan.scan_cluster).
+                # Until their documents are gone, snapshots made meanwhile leave them out of
+                # every answer, also one that does not ask for some vbuckets alone.
+                snapshots = timekeeper.snapshots
+                snapshots.leaving.update(removed)
                 for vb in removed:
                     registry.owned[vb] = 0
                 n = len(registry.owned)
-                deleted = await trio.to_thread.run_sync(
-                    delete_vbuckets, catalog.store, list(catalog.indexes), self.cache, removed, n
-                )
+                try:
+                    deleted = await trio.to_thread.run_sync(
+                        delete_vbuckets, catalog.store, list(catalog.indexes), self.cache, removed,
+                        n,
+                    )  # fmt: skip
+                finally:
+                    snapshots.leaving.difference_update(removed)
                 counts = await trio.to_thread.run_sync(
                     entry_counts, catalog.store, list(catalog.indexes), self.cache
                 )

@@ -291,6 +291,16 @@ def vbucket_filter(query: dict[str, str], num: int) -> VbucketFilter | None:
     return VbucketFilter(frozenset(chosen), num)
 
 
+def answered_for(snap: StabilitySnapshot, only: VbucketFilter | None) -> VbucketFilter | None:
+    """The vbuckets an answer of `snap` may hold: `only`'s, less any the node was deleting
+    when the snapshot was made (their documents part gone, part still in the store)."""
+    if not snap.leaving:
+        return only
+    num = len(snap.timestamp.seqnos)
+    chosen = frozenset(range(num)) if only is None else only.vbuckets
+    return VbucketFilter(chosen - snap.leaving, num)
+
+
 class ScanRoutes(AdminRoutes):
     """Reads: scans and counts of a snapshot at a consistency, splits, and pinned snapshots."""
 
@@ -518,6 +528,7 @@ class ScanRoutes(AdminRoutes):
         try:
             if not snap.is_open:
                 raise ApiError(410, "the snapshot was released")
+            only = answered_for(snap, only)
             if most and not count_only and limit is None:
                 await self._check_rows(index, snap, bounds, most, only)
             meta = {
@@ -673,7 +684,7 @@ class ScanRoutes(AdminRoutes):
                 SCAN_CHUNK,
                 docids=False,
                 decode=decoded_values(group_by, aggregates),
-                only=vbucket_filter(query, len(self.view.registry.owned)),
+                only=answered_for(snap, vbucket_filter(query, len(self.view.registry.owned))),
             )
             groups = aggregate(batches, group_by, aggregates)
             if ARROW in headers.get("accept", ""):
