@@ -37,6 +37,7 @@ import pytest
 from indexer.router.documents import Document
 from tests.e2e.conftest import scan
 from tests.harness import Daemon, Router, free_port, jsonl_lines, model, wait_for_line
+from tests.spark.stream_driver import TEST_JVM_OPTIONS
 
 pytestmark = [pytest.mark.spark, pytest.mark.e2e]
 
@@ -157,7 +158,21 @@ def serve(requests: IO[str], answers: IO[str]) -> None:
 
 
 def spark_env() -> dict[str, str]:
-    return {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    """The environment of the cluster's processes and the driver: the tests' JVM options for
+    the master and the worker (SPARK_DAEMON_JAVA_OPTS) and for the application's driver and
+    executors (PYSPARK_SUBMIT_ARGS, which the examples' sessions are launched with)."""
+    options = TEST_JVM_OPTIONS
+    submit = (
+        f'--conf "spark.driver.defaultJavaOptions={options}" '
+        f'--conf "spark.executor.defaultJavaOptions={options}" pyspark-shell'
+    )
+    return {
+        **os.environ,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_DAEMON_JAVA_OPTS": options,
+        "PYSPARK_SUBMIT_ARGS": submit,
+    }
 
 
 @pytest.fixture(scope="module")
