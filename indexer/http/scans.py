@@ -291,7 +291,7 @@ def vbucket_filter(query: dict[str, str], num: int) -> VbucketFilter | None:
     return VbucketFilter(frozenset(chosen), num)
 
 
-def answered_for(snap: StabilitySnapshot, only: VbucketFilter | None) -> VbucketFilter | None:
+def snapshot_filter(snap: StabilitySnapshot, only: VbucketFilter | None) -> VbucketFilter | None:
     """The vbuckets an answer of `snap` may hold: `only`'s, less any the node was deleting
     when the snapshot was made (their documents part gone, part still in the store)."""
     if not snap.leaving:
@@ -528,7 +528,7 @@ class ScanRoutes(AdminRoutes):
         try:
             if not snap.is_open:
                 raise ApiError(410, "the snapshot was released")
-            only = answered_for(snap, only)
+            only = snapshot_filter(snap, only)
             if most and not count_only and limit is None:
                 await self._check_rows(index, snap, bounds, most, only)
             meta = {
@@ -684,7 +684,7 @@ class ScanRoutes(AdminRoutes):
                 SCAN_CHUNK,
                 docids=False,
                 decode=decoded_values(group_by, aggregates),
-                only=answered_for(snap, vbucket_filter(query, len(self.view.registry.owned))),
+                only=snapshot_filter(snap, vbucket_filter(query, len(self.view.registry.owned))),
             )
             groups = aggregate(batches, group_by, aggregates)
             if ARROW in headers.get("accept", ""):

@@ -167,7 +167,12 @@ class Target:
         (it never receives the others, so a snapshot of it would never cover them)."""
         if vector is None or self.vbuckets is None:
             return None if vector is None else dict(vector)
-        return {vb: s for vb, s in vector.items() if int(vb) in self.vbuckets}
+        return vector_of(vector, self.vbuckets)
+
+
+def vector_of(vector: Mapping[str, int], vbuckets: frozenset[int]) -> dict[str, int]:
+    """The seqnos of `vbuckets` in an at_plus vector ({"vbucket": seqno, ...})."""
+    return {vb: s for vb, s in vector.items() if int(vb) in vbuckets}
 
 
 def load_cluster(path: str | Path) -> ClusterMap:

@@ -33,6 +33,7 @@ from indexer.cluster.scan import _cut, resumed_after
 from indexer.cluster.store import NODE_TTL_S, load_map
 from indexer.keys import entry_tail
 from indexer.spark.options import IndexerSourceError
+from indexer.spark.pins import vector_of
 
 log = logging.getLogger("indexer.spark")
 
@@ -180,7 +181,7 @@ class FollowedRead:
             assert owners is not None
             shares = {
                 owner: {**asked, "vbuckets": ",".join(vbucket_ranges(sorted(share))),
-                        "at_plus": json.dumps(_cut_vector(at_plus, share))}
+                        "at_plus": json.dumps(vector_of(at_plus, share))}
                 for owner, share in owners.items()
             }  # fmt: skip
             if len(owners) == 1:
@@ -248,8 +249,3 @@ class FollowedRead:
                 raise NodeFailed(
                     f"node {node}: indexer at {url}: the scan stream broke off: {exc}"
                 ) from None
-
-
-def _cut_vector(vector: dict[str, int], share: frozenset[int]) -> dict[str, int]:
-    """The seqnos of `share` in an at_plus vector."""
-    return {vb: s for vb, s in vector.items() if int(vb) in share}

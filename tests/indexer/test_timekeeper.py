@@ -205,20 +205,20 @@ def test_snapshot_handles_close_when_the_last_reader_lets_go() -> None:
 def test_a_snapshot_made_while_vbuckets_are_deleted_answers_without_them() -> None:
     """Given-up vbuckets being deleted: snapshots made meanwhile leave them out of every
     answer, also one that asks for no vbuckets (a merged scan's map may no longer name them)."""
-    from indexer.http.scans import answered_for
+    from indexer.http.scans import snapshot_filter
     from indexer.scans import VbucketFilter
 
     owned = bytearray([1] * 8)
     store = SnapshotStore(StabilityTimestamp.zero(8), owned)
     before = store.publish(StabilityTimestamp.zero(8), None)
-    assert answered_for(before, None) is None
+    assert snapshot_filter(before, None) is None
     store.leaving.update({2, 5})
     owned[2] = owned[5] = 0
     during = store.publish(StabilityTimestamp.zero(8), None)
     store.leaving.difference_update({2, 5})
     after = store.publish(StabilityTimestamp.zero(8), None)
-    only = answered_for(during, None)
+    only = snapshot_filter(during, None)
     assert only is not None and only.vbuckets == {0, 1, 3, 4, 6, 7} and only.num == 8
-    asked = answered_for(during, VbucketFilter(frozenset({1, 2}), 8))
+    asked = snapshot_filter(during, VbucketFilter(frozenset({1, 2}), 8))
     assert asked is not None and asked.vbuckets == {1}
-    assert answered_for(after, None) is None and after.leaving == frozenset()
+    assert snapshot_filter(after, None) is None and after.leaving == frozenset()
